@@ -1,0 +1,35 @@
+"""Every environment variable WriteScope reads, declared once with its type and meaning.
+
+The C++ extension reads the `WRITESCOPE_CPU_*` variables itself when it is imported (so any
+import path honours them); they are declared here so there is one list to document and check.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    doc: str
+    allowed: str
+
+    def get(self) -> str | None:
+        value = os.environ.get(self.name)
+        return value if value else None
+
+
+CPU_VARIANT = EnvVar(
+    "WRITESCOPE_CPU_VARIANT",
+    "Forces the CPU kernels' ISA variant, e.g. to test a lower one; an unavailable one fails the import.",
+    "avx512, avx2 or scalar, among those the CPU supports",
+)
+NUM_THREADS = EnvVar(
+    "WRITESCOPE_NUM_THREADS",
+    "Threads of the CPU kernels' pool, the calling thread included (default: the CPUs in the affinity mask).",
+    "an integer in [1, 4096]",
+)
+
+ALL = (CPU_VARIANT, NUM_THREADS)

@@ -1,0 +1,181 @@
+"""Partial attention and the exact LSE merge: the contract every backend keeps.
+
+A partial is the attention of the query over one part of the sequence, normalised over that part,
+with its log-sum-exp:
+
+    out [num_q_heads, head_dim_v]  float32, softmax(q k^T * scale) v over the part's tokens
+    lse [num_q_heads]              float32, natural log of sum exp(q k^T * scale); -inf when empty
+
+Partials of disjoint parts merge exactly (see `merge_partials`), so attention can be split along
+the sequence between devices. Backends: "torch" (float32 reference) and "cpu" (the C++ kernel).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from writescope import reference
+
+BACKENDS = ("torch", "cpu")
+QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def partial_attention(q, k, v, *, scale=None, backend="cpu"):
+    """Attention of one query token over one sequence, head-major KV.
+
+    q [num_q_heads, head_dim_qk]; k [num_kv_heads, seq_len, head_dim_qk];
+    v [num_kv_heads, seq_len, head_dim_v] -> out [num_q_heads, head_dim_v], lse [num_q_heads].
+    A thin case of `paged_partial_attention`: the sequence is one block.
+    """
+    _check_tensor(q, "q", 2, "[num_q_heads, head_dim_qk]", QUERY_DTYPES)
+    _check_tensor(k, "k", 3, "[num_kv_heads, seq_len, head_dim_qk]", KV_DTYPES)
+    _check_tensor(v, "v", 3, "[num_kv_heads, seq_len, head_dim_v]", KV_DTYPES)
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must hold the same number of tokens, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    seq_len = k.shape[1]
+    block_table = torch.zeros((1, 1), dtype=torch.int32)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+    out, lse = paged_partial_attention(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), block_table, seq_lens, scale=scale, backend=backend
+    )
+    return out[0], lse[0]
+
+
+def paged_partial_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, backend="cpu"):
+    """Decode attention for a batch of sequences over a paged, head-major KV cache.
+
+    q [num_seqs, num_q_heads, head_dim_qk]
+    k_cache [num_blocks, num_kv_heads, block_size, head_dim_qk]
+    v_cache [num_blocks, num_kv_heads, block_size, head_dim_v]   (may be a view of k_cache, as in MLA)
+    block_table [num_seqs, max_blocks_per_seq] int32: sequence s's token t is in block
+        block_table[s, t // block_size] at offset t % block_size
+    seq_lens [num_seqs] int32
+    -> out [num_seqs, num_q_heads, head_dim_v] float32, lse [num_seqs, num_q_heads] float32
+    """
+    _check_backend(backend)
+    _check_paged_structure(q, k_cache, v_cache, block_table, seq_lens)
+    scale = _resolve_scale(scale, q.shape[-1])
+    if backend == "torch":
+        return reference.paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+    return _cpu_paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+
+
+def merge_partials(outs, lses, *, backend="torch"):
+    """Merges partials of disjoint parts of the same sequences into the partial of their union.
+
+    outs [num_parts, *rows, head_dim_v] float32, lses [num_parts, *rows] float32 (natural log,
+    -inf for an empty part) -> out [*rows, head_dim_v], lse [*rows]. Rows whose parts are all
+    empty give out 0 and lse -inf. With m = max_p lse_p and w_p = exp(lse_p - m):
+    out = sum_p w_p out_p / sum_p w_p, lse = m + log(sum_p w_p), all in float32.
+    """
+    _check_backend(backend)
+    _check_merge_args(outs, lses)
+    if backend == "torch":
+        return reference.merge_partials(outs, lses)
+    return _cpu_merge_partials(outs, lses)
+
+
+def _check_backend(backend):
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+
+
+def _check_tensor(t, name, ndim, layout, dtypes):
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor {layout}, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-d {layout}, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}; allowed: {allowed}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name} is on {t.device}; the torch and cpu backends take CPU tensors")
+
+
+def _check_paged_structure(q, k_cache, v_cache, block_table, seq_lens):
+    _check_tensor(q, "q", 3, "[num_seqs, num_q_heads, head_dim_qk]", QUERY_DTYPES)
+    _check_tensor(k_cache, "k_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_qk]", KV_DTYPES)
+    _check_tensor(v_cache, "v_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_v]", KV_DTYPES)
+    _check_tensor(block_table, "block_table", 2, "[num_seqs, max_blocks_per_seq]", (torch.int32,))
+    _check_tensor(seq_lens, "seq_lens", 1, "[num_seqs]", (torch.int32,))
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must have the same dtype")
+    num_seqs, num_q_heads, head_dim_qk = q.shape
+    num_blocks, num_kv_heads, block_size, k_dim = k_cache.shape
+    if k_dim != head_dim_qk:
+        raise ValueError(f"k_cache head_dim_qk {k_dim} differs from q's {head_dim_qk}")
+    if tuple(v_cache.shape[:3]) != (num_blocks, num_kv_heads, block_size):
+        raise ValueError(
+            f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)} in blocks, heads and block size"
+        )
+    if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+    if block_table.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_table {tuple(block_table.shape)} and seq_lens {tuple(seq_lens.shape)} must have "
+            f"num_seqs = {num_seqs} rows, as q"
+        )
+
+
+def _check_merge_args(outs, lses):
+    _check_tensor(lses, "lses", lses.dim() if isinstance(lses, torch.Tensor) else 2, "[num_parts, *rows]",
+                  (torch.float32,))
+    _check_tensor(outs, "outs", lses.dim() + 1, "[num_parts, *rows, head_dim_v]", (torch.float32,))
+    if lses.dim() < 1 or lses.shape[0] < 1:
+        raise ValueError(f"lses must be [num_parts >= 1, *rows], got shape {tuple(lses.shape)}")
+    if tuple(outs.shape[:-1]) != tuple(lses.shape):
+        raise ValueError(f"outs {tuple(outs.shape)} must be lses {tuple(lses.shape)} plus a head_dim_v dimension")
+    if torch.isnan(lses).any() or torch.isposinf(lses).any():
+        raise ValueError("lses holds NaN or +inf; allowed: finite values, or -inf for an empty part")
+
+
+def _resolve_scale(scale, head_dim_qk):
+    if scale is None:
+        return head_dim_qk**-0.5
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def _as_numpy(t):
+    """Zero-copy numpy view; bfloat16 travels as its int16 bit pattern (numpy has no bfloat16)."""
+    t = t.detach()
+    return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def _cpu_module():
+    from writescope import _cpu
+
+    return _cpu
+
+
+def _cpu_paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale):
+    num_seqs, num_q_heads, _ = q.shape
+    out = torch.empty((num_seqs, num_q_heads, v_cache.shape[-1]), dtype=torch.float32)
+    lse = torch.empty((num_seqs, num_q_heads), dtype=torch.float32)
+    _cpu_module().paged_attention(
+        _as_numpy(q), _as_numpy(k_cache), _as_numpy(v_cache), _as_numpy(block_table), _as_numpy(seq_lens),
+        out.numpy(), lse.numpy(),
+        q_dtype=_DTYPE_NAMES[q.dtype], kv_dtype=_DTYPE_NAMES[k_cache.dtype], scale=scale,
+    )
+    return out, lse
+
+
+def _cpu_merge_partials(outs, lses):
+    if not (outs.is_contiguous() and lses.is_contiguous()):
+        raise ValueError("outs and lses must be contiguous for the cpu backend")
+    rows_shape = tuple(lses.shape[1:])
+    num_parts, head_dim_v = lses.shape[0], outs.shape[-1]
+    num_rows = math.prod(rows_shape)
+    out = torch.empty((*rows_shape, head_dim_v), dtype=torch.float32)
+    lse = torch.empty(rows_shape, dtype=torch.float32)
+    _cpu_module().merge_partials(
+        _as_numpy(outs.reshape(num_parts, num_rows, head_dim_v)), _as_numpy(lses.reshape(num_parts, num_rows)),
+        out.numpy().reshape(num_rows, head_dim_v), lse.numpy().reshape(num_rows),
+    )
+    return out, lse

@@ -1,0 +1,78 @@
+// Eight float lanes with AVX2 + FMA + F16C. Include only in a translation unit compiled for them.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace writescope {
+namespace {
+
+struct Avx2Simd {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static constexpr int kRegisters = 16;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const uint16_t* p, bool is_bf16) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if (is_bf16) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+    }
+    return _mm256_cvtph_ps(half);
+  }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float reduce_add(V x) {
+    __m128 sum = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
+    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+    return _mm_cvtss_f32(sum);
+  }
+  // Eight horizontal sums at once: out[i] = sum of the lanes of x[i].
+  static void reduce_add_8(const V* x, float* out) { _mm256_storeu_ps(out, transpose_sum_8(x)); }
+  static __m256 transpose_sum_8(const __m256* x) {
+    const __m256 s01 = _mm256_hadd_ps(x[0], x[1]), s23 = _mm256_hadd_ps(x[2], x[3]);
+    const __m256 s45 = _mm256_hadd_ps(x[4], x[5]), s67 = _mm256_hadd_ps(x[6], x[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+  }
+  static float reduce_max(V x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+  }
+  // Cephes-style exp: range reduction by ln 2, degree-6 polynomial, 2^n through the exponent.
+  // Inputs below -87.3 give exactly 0 (exp(-inf) == 0 matters for empty partials).
+  static V exp(V x) {
+    const V max_input = _mm256_set1_ps(88.3762626647949f);
+    const V min_input = _mm256_set1_ps(-87.3365447505531f);
+    const __m256 underflow = _mm256_cmp_ps(x, min_input, _CMP_GE_OQ);
+    x = _mm256_min_ps(x, max_input);
+    x = _mm256_max_ps(x, min_input);
+    __m256 n = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    n = _mm256_floor_ps(n);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i exponent = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+    return _mm256_and_ps(y, underflow);
+  }
+};
+
+}  // namespace
+}  // namespace writescope

@@ -1,0 +1,67 @@
+// Sixteen float lanes with AVX-512F (+BW/VL for the 16-bit loads). Include only in a translation
+// unit compiled for them.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace writescope {
+namespace {
+
+struct Avx512Simd {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static constexpr int kRegisters = 32;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const uint16_t* p, bool is_bf16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if (is_bf16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    return _mm512_cvtph_ps(half);
+  }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float reduce_add(V x) { return _mm512_reduce_add_ps(x); }
+  static float reduce_max(V x) { return _mm512_reduce_max_ps(x); }
+  // Eight horizontal sums at once: fold each vector to 256 bits, then one hadd tree.
+  static void reduce_add_8(const V* x, float* out) {
+    __m256 h[8];
+    for (int i = 0; i < 8; ++i)
+      h[i] = _mm256_add_ps(_mm512_castps512_ps256(x[i]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x[i]), 1)));
+    const __m256 s01 = _mm256_hadd_ps(h[0], h[1]), s23 = _mm256_hadd_ps(h[2], h[3]);
+    const __m256 s45 = _mm256_hadd_ps(h[4], h[5]), s67 = _mm256_hadd_ps(h[6], h[7]);
+    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                                        _mm256_permute2f128_ps(s0123, s4567, 0x31)));
+  }
+  // Same polynomial as the AVX2 path; scalef applies 2^n and handles the exponent range.
+  static V exp(V x) {
+    const __mmask16 underflow = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3365447505531f), _CMP_GE_OQ);
+    x = _mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f));
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365447505531f));
+    __m512 n = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    n = _mm512_roundscale_ps(n, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    y = _mm512_scalef_ps(y, n);
+    return _mm512_maskz_mov_ps(underflow, y);
+  }
+};
+
+}  // namespace
+}  // namespace writescope

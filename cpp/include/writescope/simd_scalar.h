@@ -1,0 +1,68 @@
+// Portable one-lane "vector": the fallback every x86-64 (and any other) CPU runs.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace writescope {
+namespace {
+
+inline float bf16_bits_to_float(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// IEEE binary16 -> binary32, exact for normals, subnormals, infinities and NaNs.
+inline float fp16_bits_to_float(uint16_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x8000u) << 16;
+  uint32_t exponent = (bits >> 10) & 0x1fu;
+  uint32_t mantissa = bits & 0x3ffu;
+  uint32_t wide;
+  if (exponent == 0x1fu) {
+    wide = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    wide = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    wide = sign;
+  } else {  // subnormal half: normalise into a float
+    exponent = 113;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    wide = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+struct ScalarSimd {
+  using V = float;
+  static constexpr int kWidth = 1;
+  static constexpr int kRegisters = 16;
+  static V zero() { return 0.0f; }
+  static V set1(float x) { return x; }
+  static V load(const float* p) { return *p; }
+  static V load(const uint16_t* p, bool is_bf16) {
+    return is_bf16 ? bf16_bits_to_float(*p) : fp16_bits_to_float(*p);
+  }
+  static void store(float* p, V x) { *p = x; }
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static V mul(V a, V b) { return a * b; }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V max(V a, V b) { return a > b ? a : b; }
+  static float reduce_add(V x) { return x; }
+  static float reduce_max(V x) { return x; }
+  static void reduce_add_8(const V* x, float* out) {
+    for (int i = 0; i < 8; ++i) out[i] = x[i];
+  }
+  static V exp(V x) { return std::exp(x); }
+};
+
+}  // namespace
+}  // namespace writescope

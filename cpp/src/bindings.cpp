@@ -1,0 +1,44 @@
+// Binds the launcher to Python as writescope._cpu. Arguments are numpy arrays taken without
+// conversion (noconvert), so a wrong type is an error, never a silent copy.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "launcher.h"
+#include "runtime.h"
+
+namespace py = pybind11;
+using namespace writescope;
+
+PYBIND11_MODULE(_cpu, m) {
+  m.doc() = "WriteScope CPU attention kernels (C++, runtime ISA dispatch, persistent thread pool).";
+  init_runtime_from_env();
+  m.attr("__cpu_variant__") = runtime().kernels->name;
+  m.attr("TILE_TOKENS") = kTileTokens;
+  m.attr("DEFAULT_CHUNK_TOKENS") = 512;
+
+  m.def("paged_attention", &paged_attention, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
+        py::arg("v_cache").noconvert(), py::arg("block_table").noconvert(), py::arg("seq_lens").noconvert(),
+        py::arg("out").noconvert(), py::arg("lse").noconvert(), py::kw_only(), py::arg("q_dtype"),
+        py::arg("kv_dtype"), py::arg("scale"), py::arg("chunk_tokens") = 512,
+        "Decode attention over a paged head-major KV cache; writes out and lse in place.");
+  m.def("merge_partials", &merge_partials, py::arg("outs").noconvert(), py::arg("lses").noconvert(),
+        py::arg("out").noconvert(), py::arg("lse").noconvert(),
+        "Merges normalised partials by their natural-log LSE; writes out and lse in place.");
+  m.def("available_variants", &available_variants, "ISA variants this CPU runs, best first.");
+  m.def(
+      "set_variant",
+      [m](const std::string& name) mutable {
+        select_variant(name);
+        m.attr("__cpu_variant__") = runtime().kernels->name;
+      },
+      py::arg("name"), "Selects an ISA variant (one of available_variants()).");
+  m.def("num_threads", [] { return runtime().pool->num_threads(); }, "Threads of the pool, the caller included.");
+  m.def("pinned_cpus", [] { return runtime().pool->cpus(); }, "CPUs the pool's workers are pinned to (empty: none).");
+  m.def("set_num_threads", &configure_threads, py::arg("num_threads"), py::arg("cpus") = std::vector<int>{},
+        "Rebuilds the pool with num_threads threads (the caller included), workers pinned to cpus if given.");
+  m.def("read_bandwidth", &read_bandwidth, py::arg("num_bytes"), py::arg("repeats"),
+        "Streaming-read bandwidth in GB/s per repeat, with the current variant and pool.");
+  m.def("fma_peak", &fma_peak, py::arg("iterations"), py::arg("repeats"),
+        "Float32 FMA throughput in GFLOP/s per repeat, with the current variant and pool.");
+}

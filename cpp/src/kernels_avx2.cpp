@@ -1,0 +1,37 @@
+// AVX2 + FMA + F16C kernels. Library headers come before the target pragma so nothing with
+// external linkage is compiled for this ISA; the table itself is built at the baseline target.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "writescope/kernel_args.h"
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+#include "writescope/attention_kernel.h"
+#include "writescope/roofline_kernel.h"
+#include "writescope/simd_avx2.h"
+
+namespace writescope {
+namespace {
+void attend_item_avx2(const PagedAttentionArgs& args, const WorkItem& item, Workspace ws) {
+  attend_item<Avx2Simd>(args, item, ws);
+}
+double read_sum_avx2(const float* data, int64_t count) { return read_sum<Avx2Simd>(data, count); }
+double fma_burst_avx2(int64_t iterations) { return FmaBurst<Avx2Simd>::run(iterations); }
+}  // namespace
+}  // namespace writescope
+#pragma GCC pop_options
+
+namespace writescope {
+const IsaKernels& avx2_kernels() {
+  static const IsaKernels kernels{"avx2", &attend_item_avx2, &read_sum_avx2, &fma_burst_avx2,
+                                  FmaBurst<Avx2Simd>::kFlopsPerIteration};
+  return kernels;
+}
+}  // namespace writescope
+#endif

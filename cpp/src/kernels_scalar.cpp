@@ -1,0 +1,16 @@
+// The scalar fallback: compiled for the baseline target, runs on any CPU.
+#include "writescope/attention_kernel.h"
+#include "writescope/kernel_args.h"
+#include "writescope/roofline_kernel.h"
+#include "writescope/simd_scalar.h"
+
+namespace writescope {
+
+const IsaKernels& scalar_kernels() {
+  static const IsaKernels kernels{
+      "scalar", &attend_item<ScalarSimd>, &read_sum<ScalarSimd>, &FmaBurst<ScalarSimd>::run,
+      FmaBurst<ScalarSimd>::kFlopsPerIteration};
+  return kernels;
+}
+
+}  // namespace writescope

@@ -1,0 +1,363 @@
+#include "launcher.h"
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <memory>
+
+#include "checks.h"
+#include "runtime.h"
+
+namespace writescope {
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Merges `parts` normalised partials row by row, in part order (so results are deterministic).
+// out_r = sum_p w_p out_{p,r} / sum_p w_p with w_p = exp(lse_{p,r} - max_p lse_{p,r});
+// lse_r = max + log(sum_p w_p). All parts empty (-inf) gives zeros and -inf.
+void merge_rows(int64_t parts, int64_t rows, int64_t dim, const float* outs, int64_t out_part_stride,
+                const float* lses, int64_t lse_part_stride, float* out, float* lse) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* dst = out + r * dim;
+    for (int64_t d = 0; d < dim; ++d) dst[d] = 0.0f;
+    float max_lse = kNegInf;
+    for (int64_t p = 0; p < parts; ++p) max_lse = std::fmax(max_lse, lses[p * lse_part_stride + r]);
+    if (max_lse == kNegInf) {
+      lse[r] = kNegInf;
+      continue;
+    }
+    float total = 0.0f;
+    for (int64_t p = 0; p < parts; ++p) {
+      const float w = std::exp(lses[p * lse_part_stride + r] - max_lse);
+      if (w == 0.0f) continue;
+      total += w;
+      const float* src = outs + p * out_part_stride + r * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[d];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
+    lse[r] = max_lse + std::log(total);
+  }
+}
+
+// A (sequence, kv head) split into several chunks: merged by whichever thread finishes last.
+struct ChunkGroup {
+  float* partial_outs;  // [num_chunks, group, head_dim_v]
+  float* partial_lses;  // [num_chunks, group]
+  float* out;
+  float* lse;
+  int64_t num_chunks;
+};
+
+struct AttentionJob {
+  PagedAttentionArgs args;
+  const IsaKernels* kernels;
+  std::vector<WorkItem> items;
+  std::vector<int64_t> item_group;  // index into groups, -1 when the item writes the output
+  std::vector<ChunkGroup> groups;
+  std::unique_ptr<std::atomic<int64_t>[]> remaining;
+  std::vector<std::vector<char>>* workspaces;
+  int64_t group_size;
+};
+
+void run_attention_item(void* context, int64_t index, int thread) {
+  auto& job = *static_cast<AttentionJob*>(context);
+  auto& ws = (*job.workspaces)[thread];
+  job.kernels->attend_item(job.args, job.items[index], Workspace{ws.data(), static_cast<int64_t>(ws.size())});
+  const int64_t g = job.item_group[index];
+  if (g < 0 || job.remaining[g].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  const ChunkGroup& cg = job.groups[g];
+  const int64_t dim_v = job.args.head_dim_v;
+  merge_rows(cg.num_chunks, job.group_size, dim_v, cg.partial_outs, job.group_size * dim_v, cg.partial_lses,
+             job.group_size, cg.out, cg.lse);
+}
+
+void check_block_table(const PagedAttentionArgs& a, int64_t max_blocks, int64_t num_blocks) {
+  const int64_t capacity = max_blocks * a.block_size;
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    const int64_t len = a.seq_lens[s];
+    if (len < 0 || len > capacity)
+      fail("seq_lens[" + std::to_string(s) + "] = " + std::to_string(len) + " is outside [0, " +
+           std::to_string(capacity) + "] (max_blocks_per_seq x block_size)");
+    const int64_t used = len == 0 ? 0 : (len + a.block_size - 1) / a.block_size;
+    for (int64_t j = 0; j < used; ++j) {
+      const int64_t block = a.block_table[s * a.block_table_stride + j];
+      if (block < 0 || block >= num_blocks)
+        fail("block_table[" + std::to_string(s) + ", " + std::to_string(j) + "] = " + std::to_string(block) +
+             " is outside [0, " + std::to_string(num_blocks) + ")");
+    }
+  }
+}
+
+PagedAttentionArgs check_attention_args(const py::array& q, const py::array& k, const py::array& v,
+                                        const py::array& table, const py::array& lens, py::array& out,
+                                        py::array& lse, const std::string& q_dtype, const std::string& kv_dtype,
+                                        double scale) {
+  PagedAttentionArgs a{};
+  a.q_dtype = parse_dtype(q_dtype, "q_dtype");
+  a.kv_dtype = parse_dtype(kv_dtype, "kv_dtype");
+  check_ndim(q, "q", 3, "[num_seqs, num_q_heads, head_dim_qk]");
+  check_ndim(k, "k_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_qk]");
+  check_ndim(v, "v_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_v]");
+  check_ndim(table, "block_table", 2, "[num_seqs, max_blocks_per_seq]");
+  check_ndim(lens, "seq_lens", 1, "[num_seqs]");
+  check_ndim(out, "out", 3, "[num_seqs, num_q_heads, head_dim_v]");
+  check_ndim(lse, "lse", 2, "[num_seqs, num_q_heads]");
+  check_element(q, "q", a.q_dtype);
+  check_element(k, "k_cache", a.kv_dtype);
+  check_element(v, "v_cache", a.kv_dtype);
+  check_int32(table, "block_table");
+  check_int32(lens, "seq_lens");
+  check_element(out, "out", DType::kFloat32);
+  check_element(lse, "lse", DType::kFloat32);
+
+  a.num_seqs = q.shape(0);
+  a.num_q_heads = q.shape(1);
+  a.head_dim_qk = q.shape(2);
+  a.num_kv_heads = k.shape(1);
+  a.block_size = k.shape(2);
+  a.head_dim_v = v.shape(3);
+  const int64_t num_blocks = k.shape(0);
+  if (a.num_q_heads < 1 || a.num_kv_heads < 1 || a.head_dim_qk < 1 || a.head_dim_v < 1)
+    fail("num_q_heads, num_kv_heads, head_dim_qk and head_dim_v must be >= 1; got q " + shape_str(q) +
+         ", k_cache " + shape_str(k) + ", v_cache " + shape_str(v));
+  if (a.num_q_heads % a.num_kv_heads != 0)
+    fail("num_q_heads (" + std::to_string(a.num_q_heads) + ") must be a multiple of num_kv_heads (" +
+         std::to_string(a.num_kv_heads) + ")");
+  check_dim(k, "k_cache", 3, a.head_dim_qk, "head_dim_qk, as in q");
+  check_dim(v, "v_cache", 0, num_blocks, "num_blocks, as in k_cache");
+  check_dim(v, "v_cache", 1, a.num_kv_heads, "num_kv_heads, as in k_cache");
+  check_dim(v, "v_cache", 2, a.block_size, "block_size, as in k_cache");
+  check_dim(table, "block_table", 0, a.num_seqs, "num_seqs, as in q");
+  check_dim(lens, "seq_lens", 0, a.num_seqs, "num_seqs, as in q");
+  check_dim(out, "out", 0, a.num_seqs, "num_seqs");
+  check_dim(out, "out", 1, a.num_q_heads, "num_q_heads");
+  check_dim(out, "out", 2, a.head_dim_v, "head_dim_v");
+  check_dim(lse, "lse", 0, a.num_seqs, "num_seqs");
+  check_dim(lse, "lse", 1, a.num_q_heads, "num_q_heads");
+  if (!std::isfinite(scale)) fail("scale must be finite, got " + std::to_string(scale));
+
+  const auto qs = element_strides(q, "q");
+  const auto ks = element_strides(k, "k_cache");
+  const auto vs = element_strides(v, "v_cache");
+  const auto ts = element_strides(table, "block_table");
+  element_strides(lens, "seq_lens");
+  check_c_contiguous(lens, "seq_lens");
+  check_c_contiguous(out, "out");
+  check_c_contiguous(lse, "lse");
+  check_writeable(out, "out");
+  check_writeable(lse, "lse");
+
+  a.q = q.data();
+  a.q_seq_stride = qs[0];
+  a.q_head_stride = qs[1];
+  a.k = k.data();
+  a.v = v.data();
+  a.k_block_stride = ks[0];
+  a.k_head_stride = ks[1];
+  a.k_token_stride = ks[2];
+  a.v_block_stride = vs[0];
+  a.v_head_stride = vs[1];
+  a.v_token_stride = vs[2];
+  a.block_table = static_cast<const int32_t*>(table.data());
+  a.block_table_stride = ts[0];
+  a.seq_lens = static_cast<const int32_t*>(lens.data());
+  a.scale = static_cast<float>(scale);
+  check_block_table(a, table.shape(1), num_blocks);
+  return a;
+}
+
+// Builds one item per (sequence, kv head, chunk); a sequence of length 0 is written directly.
+void plan_items(AttentionJob& job, int64_t chunk_tokens, float* out, float* lse, std::vector<float>& partials) {
+  const PagedAttentionArgs& a = job.args;
+  const int64_t g = job.group_size, dim_v = a.head_dim_v;
+  int64_t partial_floats = 0, num_groups = 0;
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    const int64_t chunks = (a.seq_lens[s] + chunk_tokens - 1) / chunk_tokens;
+    if (chunks > 1) {
+      partial_floats += a.num_kv_heads * chunks * g * (dim_v + 1);
+      num_groups += a.num_kv_heads;
+    }
+  }
+  if (static_cast<int64_t>(partials.size()) < partial_floats) partials.resize(partial_floats);
+  job.groups.reserve(num_groups);
+  job.remaining = std::make_unique<std::atomic<int64_t>[]>(num_groups);
+  float* next_partial = partials.data();
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    const int64_t len = a.seq_lens[s];
+    float* seq_out = out + s * a.num_q_heads * dim_v;
+    float* seq_lse = lse + s * a.num_q_heads;
+    if (len == 0) {
+      for (int64_t i = 0; i < a.num_q_heads * dim_v; ++i) seq_out[i] = 0.0f;
+      for (int64_t h = 0; h < a.num_q_heads; ++h) seq_lse[h] = kNegInf;
+      continue;
+    }
+    const int64_t chunks = (len + chunk_tokens - 1) / chunk_tokens;
+    for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+      float* head_out = seq_out + h * g * dim_v;
+      float* head_lse = seq_lse + h * g;
+      if (chunks == 1) {
+        job.items.push_back(WorkItem{s, h, 0, len, head_out, head_lse});
+        job.item_group.push_back(-1);
+        continue;
+      }
+      const int64_t group_index = static_cast<int64_t>(job.groups.size());
+      ChunkGroup cg{next_partial, next_partial + chunks * g * dim_v, head_out, head_lse, chunks};
+      next_partial += chunks * g * (dim_v + 1);
+      job.groups.push_back(cg);
+      job.remaining[group_index].store(chunks, std::memory_order_relaxed);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t end = (c + 1) * chunk_tokens < len ? (c + 1) * chunk_tokens : len;
+        job.items.push_back(WorkItem{s, h, c * chunk_tokens, end, cg.partial_outs + c * g * dim_v,
+                                     cg.partial_lses + c * g});
+        job.item_group.push_back(group_index);
+      }
+    }
+  }
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+void paged_attention(const py::array& q, const py::array& k_cache, const py::array& v_cache,
+                     const py::array& block_table, const py::array& seq_lens, py::array& out, py::array& lse,
+                     const std::string& q_dtype, const std::string& kv_dtype, double scale,
+                     int64_t chunk_tokens) {
+  if (chunk_tokens < 1) fail("chunk_tokens must be >= 1, got " + std::to_string(chunk_tokens));
+  AttentionJob job;
+  job.args = check_attention_args(q, k_cache, v_cache, block_table, seq_lens, out, lse, q_dtype, kv_dtype, scale);
+  job.group_size = job.args.num_q_heads / job.args.num_kv_heads;
+  float* out_ptr = static_cast<float*>(out.mutable_data());
+  float* lse_ptr = static_cast<float*>(lse.mutable_data());
+  py::gil_scoped_release release;
+  Runtime& rt = runtime();
+  std::lock_guard<std::mutex> lock(rt.mutex);
+  job.kernels = rt.kernels;
+  job.workspaces = &rt.workspaces;
+  const int64_t ws_bytes = kernel_workspace_bytes(job.group_size, job.args.head_dim_qk);
+  for (auto& ws : rt.workspaces)
+    if (static_cast<int64_t>(ws.size()) < ws_bytes) ws.resize(ws_bytes);
+  plan_items(job, chunk_tokens, out_ptr, lse_ptr, rt.chunk_partials);
+  rt.pool->run(static_cast<int64_t>(job.items.size()), &run_attention_item, &job);
+}
+
+void merge_partials(const py::array& outs, const py::array& lses, py::array& out, py::array& lse) {
+  check_ndim(outs, "outs", 3, "[num_parts, rows, dim]");
+  check_ndim(lses, "lses", 2, "[num_parts, rows]");
+  check_ndim(out, "out", 2, "[rows, dim]");
+  check_ndim(lse, "lse", 1, "[rows]");
+  check_element(outs, "outs", DType::kFloat32);
+  check_element(lses, "lses", DType::kFloat32);
+  check_element(out, "out", DType::kFloat32);
+  check_element(lse, "lse", DType::kFloat32);
+  const int64_t parts = outs.shape(0), rows = outs.shape(1), dim = outs.shape(2);
+  check_dim(lses, "lses", 0, parts, "num_parts, as in outs");
+  check_dim(lses, "lses", 1, rows, "rows, as in outs");
+  check_dim(out, "out", 0, rows, "rows, as in outs");
+  check_dim(out, "out", 1, dim, "dim, as in outs");
+  check_dim(lse, "lse", 0, rows, "rows, as in outs");
+  check_c_contiguous(outs, "outs");
+  check_c_contiguous(lses, "lses");
+  check_c_contiguous(out, "out");
+  check_c_contiguous(lse, "lse");
+  check_writeable(out, "out");
+  check_writeable(lse, "lse");
+  const float* lse_in = static_cast<const float*>(lses.data());
+  for (int64_t i = 0; i < parts * rows; ++i)
+    if (std::isnan(lse_in[i]) || lse_in[i] == std::numeric_limits<float>::infinity())
+      fail("lses: entry " + std::to_string(i) + " is NaN or +inf; allowed: finite values or -inf (empty part)");
+  const float* outs_in = static_cast<const float*>(outs.data());
+  float* out_ptr = static_cast<float*>(out.mutable_data());
+  float* lse_ptr = static_cast<float*>(lse.mutable_data());
+  py::gil_scoped_release release;
+  merge_rows(parts, rows, dim, outs_in, rows * dim, lse_in, rows, out_ptr, lse_ptr);
+}
+
+namespace {
+struct ReadJob {
+  const IsaKernels* kernels;
+  const float* data;
+  int64_t count, slices;
+  std::atomic<double>* sink;
+};
+void read_slice(void* context, int64_t slice, int) {
+  auto& job = *static_cast<ReadJob*>(context);
+  const int64_t per = (job.count + job.slices - 1) / job.slices;
+  const int64_t begin = slice * per;
+  const int64_t end = begin + per < job.count ? begin + per : job.count;
+  if (begin >= end) return;
+  const double sum = job.kernels->read_sum(job.data + begin, end - begin);
+  double current = job.sink->load();
+  while (!job.sink->compare_exchange_weak(current, current + sum)) {
+  }
+}
+struct FillJob {
+  float* data;
+  int64_t count, slices;
+};
+void fill_slice(void* context, int64_t slice, int) {
+  auto& job = *static_cast<FillJob*>(context);
+  const int64_t per = (job.count + job.slices - 1) / job.slices;
+  for (int64_t i = slice * per; i < (slice + 1) * per && i < job.count; ++i) job.data[i] = 1.0f;
+}
+struct FmaJob {
+  const IsaKernels* kernels;
+  int64_t iterations;
+  std::atomic<double>* sink;
+};
+void fma_item(void* context, int64_t, int) {
+  auto& job = *static_cast<FmaJob*>(context);
+  const double value = job.kernels->fma_burst(job.iterations);
+  double current = job.sink->load();
+  while (!job.sink->compare_exchange_weak(current, current + value)) {
+  }
+}
+}  // namespace
+
+std::vector<double> read_bandwidth(int64_t num_bytes, int repeats) {
+  if (num_bytes < (1 << 20)) fail("num_bytes must be >= 1 MiB, got " + std::to_string(num_bytes));
+  if (repeats < 1) fail("repeats must be >= 1, got " + std::to_string(repeats));
+  py::gil_scoped_release release;
+  Runtime& rt = runtime();
+  std::lock_guard<std::mutex> lock(rt.mutex);
+  const int64_t count = num_bytes / 4;
+  std::unique_ptr<float[]> data(new float[count]);
+  const int64_t slices = int64_t{8} * rt.pool->num_threads();
+  FillJob fill{data.get(), count, slices};
+  rt.pool->run(slices, &fill_slice, &fill);  // first touch by the threads that will read
+  std::atomic<double> sink{0.0};
+  ReadJob job{rt.kernels, data.get(), count, slices, &sink};
+  std::vector<double> gbps;
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    rt.pool->run(slices, &read_slice, &job);
+    gbps.push_back(static_cast<double>(count) * 4 / seconds_since(start) / 1e9);
+  }
+  return gbps;
+}
+
+std::vector<double> fma_peak(int64_t iterations, int repeats) {
+  if (iterations < 1) fail("iterations must be >= 1, got " + std::to_string(iterations));
+  if (repeats < 1) fail("repeats must be >= 1, got " + std::to_string(repeats));
+  py::gil_scoped_release release;
+  Runtime& rt = runtime();
+  std::lock_guard<std::mutex> lock(rt.mutex);
+  std::atomic<double> sink{0.0};
+  FmaJob job{rt.kernels, iterations, &sink};
+  const int threads = rt.pool->num_threads();
+  std::vector<double> gflops;
+  for (int r = 0; r < repeats; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    rt.pool->run(threads, &fma_item, &job);
+    const double flops = static_cast<double>(threads) * iterations * rt.kernels->fma_flops_per_iteration;
+    gflops.push_back(flops / seconds_since(start) / 1e9);
+  }
+  return gflops;
+}
+
+}  // namespace writescope

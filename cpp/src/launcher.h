@@ -1,0 +1,29 @@
+// The entry points the binding exposes. Each checks every argument, then releases the GIL.
+#pragma once
+
+#include <pybind11/numpy.h>
+
+#include <string>
+#include <vector>
+
+namespace writescope {
+namespace py = pybind11;
+
+// q [num_seqs, num_q_heads, head_dim_qk]; k_cache [num_blocks, num_kv_heads, block_size, head_dim_qk];
+// v_cache [num_blocks, num_kv_heads, block_size, head_dim_v]; block_table [num_seqs, max_blocks] int32;
+// seq_lens [num_seqs] int32; out [num_seqs, num_q_heads, head_dim_v] float32 (written);
+// lse [num_seqs, num_q_heads] float32 natural log (written), -inf for an empty sequence.
+void paged_attention(const py::array& q, const py::array& k_cache, const py::array& v_cache,
+                     const py::array& block_table, const py::array& seq_lens, py::array& out, py::array& lse,
+                     const std::string& q_dtype, const std::string& kv_dtype, double scale,
+                     int64_t chunk_tokens);
+
+// outs [num_parts, rows, dim], lses [num_parts, rows] float32 -> out [rows, dim], lse [rows].
+void merge_partials(const py::array& outs, const py::array& lses, py::array& out, py::array& lse);
+
+// Streaming-read bandwidth in GB/s, one figure per repeat, over a buffer of num_bytes.
+std::vector<double> read_bandwidth(int64_t num_bytes, int repeats);
+// Float32 FMA throughput in GFLOP/s, one figure per repeat, each lasting `iterations` FMA rounds.
+std::vector<double> fma_peak(int64_t iterations, int repeats);
+
+}  // namespace writescope

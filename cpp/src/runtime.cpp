@@ -1,0 +1,106 @@
+#include "runtime.h"
+
+#include <sched.h>
+
+#include <cstdlib>
+#include <stdexcept>
+
+namespace writescope {
+namespace {
+
+struct Variant {
+  const char* name;
+  bool (*supported)();
+  const IsaKernels& (*kernels)();
+};
+
+#if defined(__x86_64__)
+bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
+         __builtin_cpu_supports("fma");
+}
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+#endif
+bool always() { return true; }
+
+const std::vector<Variant>& all_variants() {
+  static const std::vector<Variant> variants{
+#if defined(__x86_64__)
+      {"avx512", &has_avx512, &avx512_kernels},
+      {"avx2", &has_avx2, &avx2_kernels},
+#endif
+      {"scalar", &always, &scalar_kernels},
+  };
+  return variants;
+}
+
+int affinity_cpu_count() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) != 0) return 1;
+  const int count = CPU_COUNT(&set);
+  return count > 0 ? count : 1;
+}
+
+}  // namespace
+
+Runtime& runtime() {
+  static Runtime instance;
+  return instance;
+}
+
+std::vector<std::string> available_variants() {
+  std::vector<std::string> names;
+  for (const auto& v : all_variants())
+    if (v.supported()) names.emplace_back(v.name);
+  return names;
+}
+
+void select_variant(const std::string& name) {
+  for (const auto& v : all_variants()) {
+    if (name == v.name && v.supported()) {
+      std::lock_guard<std::mutex> lock(runtime().mutex);
+      runtime().kernels = &v.kernels();
+      return;
+    }
+  }
+  std::string allowed;
+  for (const auto& n : available_variants()) allowed += (allowed.empty() ? "" : ", ") + n;
+  throw std::invalid_argument("CPU variant '" + name + "' is not available on this CPU; allowed: " +
+                              allowed);
+}
+
+void configure_threads(int num_threads, const std::vector<int>& cpus) {
+  if (num_threads < 1) throw std::invalid_argument("num_threads must be >= 1, got " + std::to_string(num_threads));
+  for (int cpu : cpus)
+    if (cpu < 0 || cpu >= CPU_SETSIZE)
+      throw std::invalid_argument("cpus: " + std::to_string(cpu) + " is not a valid CPU index");
+  Runtime& rt = runtime();
+  std::lock_guard<std::mutex> lock(rt.mutex);
+  rt.pool.reset();
+  rt.pool = std::make_unique<ThreadPool>(num_threads, cpus);
+  rt.workspaces.assign(num_threads, {});
+}
+
+void init_runtime_from_env() {
+  const char* variant = std::getenv("WRITESCOPE_CPU_VARIANT");
+  select_variant(variant && *variant ? variant : available_variants().front());
+  int threads = affinity_cpu_count();
+  const char* threads_env = std::getenv("WRITESCOPE_NUM_THREADS");
+  if (threads_env && *threads_env) {
+    char* end = nullptr;
+    const long parsed = std::strtol(threads_env, &end, 10);
+    if (*end != '\0' || parsed < 1 || parsed > 4096)
+      throw std::invalid_argument(std::string("WRITESCOPE_NUM_THREADS must be an integer in [1, 4096], got '") +
+                                  threads_env + "'");
+    threads = static_cast<int>(parsed);
+  }
+  configure_threads(threads, {});
+}
+
+}  // namespace writescope

@@ -1,0 +1,34 @@
+// Process-wide state of the CPU kernels: the selected ISA variant, the persistent thread pool and
+// the buffers reused across calls (per-thread workspaces, chunk partials).
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "thread_pool.h"
+#include "writescope/kernel_args.h"
+
+namespace writescope {
+
+struct Runtime {
+  const IsaKernels* kernels = nullptr;
+  std::unique_ptr<ThreadPool> pool;
+  std::vector<std::vector<char>> workspaces;  // one per pool thread, grow-only
+  std::vector<float> chunk_partials;          // grow-only
+  std::mutex mutex;                           // one kernel call at a time per process
+};
+
+Runtime& runtime();
+
+// Variants this CPU can run, best first (e.g. {"avx512", "avx2", "scalar"}).
+std::vector<std::string> available_variants();
+// Selects a variant by name; throws std::invalid_argument naming the allowed ones.
+void select_variant(const std::string& name);
+// Applies WRITESCOPE_CPU_VARIANT and WRITESCOPE_NUM_THREADS from the environment.
+void init_runtime_from_env();
+// Rebuilds the pool; cpus may be empty (no pinning).
+void configure_threads(int num_threads, const std::vector<int>& cpus);
+
+}  // namespace writescope
