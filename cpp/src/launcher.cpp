@@ -144,7 +144,6 @@ PagedAttentionArgs check_attention_args(const py::array& q, const py::array& k, 
   const auto vs = element_strides(v, "v_cache");
   const auto ts = element_strides(table, "block_table");
   element_strides(lens, "seq_lens");
-  check_c_contiguous(lens, "seq_lens");
   check_c_contiguous(out, "out");
   check_c_contiguous(lse, "lse");
   check_writeable(out, "out");

@@ -49,10 +49,10 @@ struct ItemKernel {
   static constexpr int W = S::kWidth;
   // Register blocking: score tiles of kScoreAccumulators (heads x tokens), PV tiles of
   // kPvHeads x kPvVectors accumulators; chosen so accumulators + operands fit the register file.
-  static constexpr int kQkHeads = 4;
+  // Wider head tiles convert each loaded K/V vector once for more FMAs.
+  static constexpr int kHeadTile = S::kRegisters >= 32 ? 8 : 4;
   static constexpr int kScoreAccumulators = S::kRegisters >= 32 ? 16 : 8;
-  static constexpr int kPvHeads = 4;
-  static constexpr int kPvVectors = S::kRegisters >= 32 ? 4 : 2;
+  static constexpr int kValueAccumulators = S::kRegisters >= 32 ? 16 : 8;
 
   const PagedAttentionArgs& a;
   const bool is_bf16;
@@ -180,7 +180,8 @@ struct ItemKernel {
 
   void compute_scores(int64_t count) {
     int64_t g = 0;
-    for (; g + kQkHeads <= group; g += kQkHeads) score_heads<kQkHeads>(g, count);
+    for (; g + kHeadTile <= group; g += kHeadTile) score_heads<kHeadTile>(g, count);
+    for (; g + 4 <= group; g += 4) score_heads<4>(g, count);
     for (; g + 2 <= group; g += 2) score_heads<2>(g, count);
     for (; g < group; ++g) score_heads<1>(g, count);
   }
@@ -232,9 +233,10 @@ struct ItemKernel {
 
   template <int GT>
   void value_heads(int64_t g0, int64_t count, float* acc) {
+    constexpr int NV = kValueAccumulators / GT > 4 ? 4 : kValueAccumulators / GT;
     const int64_t vec_end = dim_v - dim_v % W;
     int64_t d = 0;
-    for (; d + kPvVectors * W <= vec_end; d += kPvVectors * W) value_block<GT, kPvVectors>(g0, d, count, acc);
+    for (; d + NV * W <= vec_end; d += NV * W) value_block<GT, NV>(g0, d, count, acc);
     for (; d < vec_end; d += W) value_block<GT, 1>(g0, d, count, acc);
     for (; d < dim_v; ++d) {
       for (int gi = 0; gi < GT; ++gi) {
@@ -248,7 +250,8 @@ struct ItemKernel {
 
   void accumulate_values(int64_t count, float* acc) {
     int64_t g = 0;
-    for (; g + kPvHeads <= group; g += kPvHeads) value_heads<kPvHeads>(g, count, acc);
+    for (; g + kHeadTile <= group; g += kHeadTile) value_heads<kHeadTile>(g, count, acc);
+    for (; g + 4 <= group; g += 4) value_heads<4>(g, count, acc);
     for (; g + 2 <= group; g += 2) value_heads<2>(g, count, acc);
     for (; g < group; ++g) value_heads<1>(g, count, acc);
   }

@@ -1,0 +1,222 @@
+"""The C++ kernel against the float32 torch reference, one dimension varied at a time."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from writescope import _cpu, ops
+
+from tests.tolerances import MERGE, assert_partials_close
+
+BASE = {"seq_len": 613, "head_dim": 128, "group": 4, "num_kv_heads": 2, "dtype": torch.bfloat16}
+
+
+def make_inputs(seq_len, head_dim, group, num_kv_heads, dtype, head_dim_v=None, q_dtype=torch.float32):
+    q = torch.randn(num_kv_heads * group, head_dim).to(q_dtype)
+    k = torch.randn(num_kv_heads, seq_len, head_dim).to(dtype)
+    v = torch.randn(num_kv_heads, seq_len, head_dim_v or head_dim).to(dtype)
+    return q, k, v
+
+
+def check_against_reference(q, k, v, scale=None):
+    out, lse = ops.partial_attention(q, k, v, scale=scale, backend="cpu")
+    ref_out, ref_lse = ops.partial_attention(q, k, v, scale=scale, backend="torch")
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert_partials_close(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("seq_len", [0, 1, 17, 613, 4099])
+def test_seq_len(cpu_variant, seq_len):
+    check_against_reference(*make_inputs(**{**BASE, "seq_len": seq_len}))
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 72])
+def test_head_dim(cpu_variant, head_dim):
+    check_against_reference(*make_inputs(**{**BASE, "head_dim": head_dim}))
+
+
+@pytest.mark.parametrize("group", [1, 4, 8, 16, 3])
+def test_group(cpu_variant, group):
+    check_against_reference(*make_inputs(**{**BASE, "group": group}))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_kv_dtype(cpu_variant, dtype):
+    check_against_reference(*make_inputs(**{**BASE, "dtype": dtype}))
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_q_dtype(cpu_variant, q_dtype):
+    check_against_reference(*make_inputs(**BASE, q_dtype=q_dtype))
+
+
+@pytest.mark.parametrize("num_q_heads", [16, 128])
+@pytest.mark.parametrize("seq_len", [17, 613])
+def test_mla_latent_shared_by_all_heads(cpu_variant, num_q_heads, seq_len):
+    # MLA absorbed decode: one kv head of 512 latent + 64 rope dims; V is the latent, a view of K.
+    q = torch.randn(num_q_heads, 576, dtype=torch.bfloat16)
+    k = torch.randn(1, seq_len, 576).to(torch.bfloat16)
+    check_against_reference(q, k, k[..., :512], scale=192**-0.5)
+
+
+def test_explicit_scale(cpu_variant):
+    q, k, v = make_inputs(**BASE)
+    check_against_reference(q, k, v, scale=0.031)
+
+
+def test_fp16_subnormals_and_large_values_convert_exactly(cpu_variant):
+    q = torch.randn(4, 64)
+    k = torch.randn(1, 40, 64).to(torch.float16)
+    k[0, :5] = torch.tensor(6e-8, dtype=torch.float16)  # fp16 subnormal
+    k[0, 5:10] = torch.tensor(-60000.0, dtype=torch.float16) / 1000
+    v = (torch.randn(1, 40, 64) * 1000).to(torch.float16)
+    check_against_reference(q, k, v)
+
+
+def make_paged(seq_lens, block_size, num_kv_heads=2, group=4, head_dim=64, spare_blocks=3, dtype=torch.bfloat16):
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare_blocks
+    max_blocks = max(blocks_per_seq + [1])
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
+    order = torch.randperm(num_blocks).to(torch.int32)  # shuffled physical blocks
+    table = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)  # unused entries invalid
+    used = 0
+    for s, n in enumerate(blocks_per_seq):
+        table[s, :n] = order[used:used + n]
+        used += n
+    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim)
+    return q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("block_size", [16, 17, 64])
+def test_paged_ragged_batch_with_shuffled_blocks(cpu_variant, block_size):
+    args = make_paged([613, 0, 1, 97, 1200], block_size)
+    out, lse = ops.paged_partial_attention(*args, backend="cpu")
+    ref_out, ref_lse = ops.paged_partial_attention(*args, backend="torch")
+    assert_partials_close(out, lse, ref_out, ref_lse)
+
+
+def test_paged_head_major_pool_layout(cpu_variant):
+    # A pool stored [num_kv_heads, num_blocks, block_size, dim] and passed as a permuted view.
+    q, k_cache, v_cache, table, lens = make_paged([300, 45], 16)
+    k_pool = k_cache.permute(1, 0, 2, 3).contiguous()
+    v_pool = v_cache.permute(1, 0, 2, 3).contiguous()
+    out, lse = ops.paged_partial_attention(q, k_pool.permute(1, 0, 2, 3), v_pool.permute(1, 0, 2, 3), table, lens)
+    ref_out, ref_lse = ops.paged_partial_attention(q, k_cache, v_cache, table, lens, backend="torch")
+    assert_partials_close(out, lse, ref_out, ref_lse)
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 100000])
+def test_chunking_does_not_change_the_result(cpu_variant, chunk_tokens):
+    q, k, v = make_inputs(**BASE)
+    q3, k4, v4 = q[None], k[None], v[None]
+    table = torch.zeros((1, 1), dtype=torch.int32)
+    lens = torch.tensor([k.shape[1]], dtype=torch.int32)
+    out = torch.empty(1, q.shape[0], v.shape[-1])
+    lse = torch.empty(1, q.shape[0])
+    _cpu.paged_attention(q3.numpy(), k4.view(torch.int16).numpy(), v4.view(torch.int16).numpy(), table.numpy(),
+                         lens.numpy(), out.numpy(), lse.numpy(), q_dtype="float32", kv_dtype="bfloat16",
+                         scale=128**-0.5, chunk_tokens=chunk_tokens)
+    ref_out, ref_lse = ops.partial_attention(q, k, v, backend="torch")
+    assert_partials_close(out[0], lse[0], ref_out, ref_lse)
+
+
+def test_result_is_identical_for_any_thread_count():
+    q, k, v = make_inputs(**{**BASE, "seq_len": 4099})
+    default_threads = _cpu.num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            _cpu.set_num_threads(threads)
+            results.append(ops.partial_attention(q, k, v))
+    finally:
+        _cpu.set_num_threads(default_threads)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+def test_pool_threads_can_be_pinned():
+    default_threads = _cpu.num_threads()
+    cpus = sorted(os.sched_getaffinity(0))
+    try:
+        _cpu.set_num_threads(2, cpus[:1])
+        assert _cpu.pinned_cpus() == cpus[:1]
+        check_against_reference(*make_inputs(**BASE))
+    finally:
+        _cpu.set_num_threads(default_threads)
+    assert _cpu.pinned_cpus() == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seq_len=st.integers(0, 300),
+    split=st.floats(0, 1),
+    group=st.sampled_from([1, 2, 4, 8]),
+    head_dim=st.sampled_from([16, 40, 64]),
+    backend=st.sampled_from(["cpu", "torch"]),
+)
+def test_split_identity(seq_len, split, group, head_dim, backend):
+    """merge(attn(K[:i]), attn(K[i:])) == attn(K), empty parts included."""
+    i = round(split * seq_len)
+    q, k, v = make_inputs(seq_len, head_dim, group, 2, torch.bfloat16)
+    first = ops.partial_attention(q, k[:, :i], v[:, :i], backend=backend)
+    second = ops.partial_attention(q, k[:, i:], v[:, i:], backend=backend)
+    whole_out, whole_lse = ops.partial_attention(q, k, v, backend="torch")
+    for merge_backend in ("torch", "cpu"):
+        out, lse = ops.merge_partials(
+            torch.stack([first[0], second[0]]), torch.stack([first[1], second[1]]), backend=merge_backend
+        )
+        assert_partials_close(out, lse, whole_out, whole_lse)
+
+
+def test_cpu_merge_matches_torch_merge_over_many_parts_and_rows():
+    outs = torch.randn(5, 3, 7, 33)
+    lses = torch.randn(5, 3, 7) * 10
+    lses[1, 0] = float("-inf")
+    lses[:, 2, 3] = float("-inf")
+    cpu = ops.merge_partials(outs, lses, backend="cpu")
+    ref = ops.merge_partials(outs, lses, backend="torch")
+    torch.testing.assert_close(cpu[0], ref[0], **MERGE)
+    torch.testing.assert_close(cpu[1], ref[1], **MERGE)
+    assert torch.all(cpu[0][2, 3] == 0) and cpu[1][2, 3] == float("-inf")
+
+
+def run_with_env(code, **env):
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
+
+
+@pytest.mark.parametrize("variant", _cpu.available_variants())
+def test_environment_variable_forces_a_variant(variant):
+    result = run_with_env("from writescope import _cpu; print(_cpu.__cpu_variant__)", WRITESCOPE_CPU_VARIANT=variant)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == variant
+
+
+def test_unknown_variant_in_environment_fails_the_import_with_the_allowed_list():
+    result = run_with_env("import writescope._cpu", WRITESCOPE_CPU_VARIANT="avx1024")
+    assert result.returncode != 0
+    assert "avx1024" in result.stderr and "scalar" in result.stderr
+
+
+def test_thread_count_from_environment():
+    result = run_with_env("from writescope import _cpu; print(_cpu.num_threads())", WRITESCOPE_NUM_THREADS="3")
+    assert result.stdout.strip() == "3", result.stderr
+    bad = run_with_env("import writescope._cpu", WRITESCOPE_NUM_THREADS="many")
+    assert bad.returncode != 0 and "WRITESCOPE_NUM_THREADS" in bad.stderr
+
+
+def test_best_variant_is_the_default():
+    result = run_with_env("from writescope import _cpu; print(_cpu.__cpu_variant__)", WRITESCOPE_CPU_VARIANT="")
+    assert result.stdout.strip() == _cpu.available_variants()[0]
+    assert _cpu.available_variants()[-1] == "scalar"
+
+
+def test_roofline_probes_return_positive_figures():
+    assert all(gbps > 0 for gbps in _cpu.read_bandwidth(8 << 20, 2))
+    assert all(gflops > 0 for gflops in _cpu.fma_peak(10000, 2))

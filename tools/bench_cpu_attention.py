@@ -1,0 +1,185 @@
+"""CPU partial attention against this machine's roofline and against torch, in one run.
+
+For each context length and model shape (bf16 KV, one decode query): the median time of
+`ops.partial_attention(backend="cpu")`, its achieved KV GB/s and GFLOP/s, the roofline time
+max(KV bytes / read bandwidth, FLOPs / FMA peak) with both figures measured in the same run by the
+extension's own probes, the fraction of roofline reached, and the speed ratio against torch SDPA
+(bf16 and float32 inputs) and torch bmm + softmax on the same shapes.
+
+FLOPs = 2 * num_q_heads * seq_len * (head_dim_qk + head_dim_v)  (QK^T and PV multiply-adds)
+KV bytes = num_kv_heads * seq_len * (head_dim_qk + head_dim_v) * 2, but MLA reads its latent once:
+           seq_len * 576 * 2.
+
+    python tools/bench_cpu_attention.py --out bench_results/cpu_attention.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from writescope import _cpu, ops
+
+log = logging.getLogger("bench_cpu_attention")
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim_qk: int
+    head_dim_v: int
+    v_is_latent: bool = False  # MLA: V is the first head_dim_v dims of K, read once
+
+
+SHAPES = (
+    Shape("mixtral", 32, 8, 128, 128),
+    Shape("qwen3-moe", 32, 4, 128, 128),
+    Shape("mha", 32, 32, 128, 128),
+    Shape("deepseek-v2-lite-mla", 16, 1, 576, 512, v_is_latent=True),
+)
+
+
+def kv_bytes(shape: Shape, seq_len: int) -> int:
+    per_token = shape.head_dim_qk if shape.v_is_latent else shape.head_dim_qk + shape.head_dim_v
+    return shape.num_kv_heads * seq_len * per_token * 2
+
+
+def flops(shape: Shape, seq_len: int) -> int:
+    return 2 * shape.num_q_heads * seq_len * (shape.head_dim_qk + shape.head_dim_v)
+
+
+def median_time_s(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def make_inputs(shape: Shape, seq_len: int):
+    q = torch.randn(shape.num_q_heads, shape.head_dim_qk, dtype=torch.bfloat16)
+    k = torch.randn(shape.num_kv_heads, seq_len, shape.head_dim_qk).to(torch.bfloat16)
+    v = k[..., : shape.head_dim_v] if shape.v_is_latent else torch.randn(
+        shape.num_kv_heads, seq_len, shape.head_dim_v).to(torch.bfloat16)
+    return q, k, v
+
+
+def sdpa(q, k, v, scale):
+    # q [num_q_heads, head_dim] -> [1, num_q_heads, 1, head_dim]; k, v [1, num_kv_heads, seq_len, dim]
+    return torch.nn.functional.scaled_dot_product_attention(
+        q[None, :, None], k[None], v[None], scale=scale, enable_gqa=True)
+
+
+def bmm_softmax(q, k, v, scale):
+    num_kv_heads = k.shape[0]
+    q_grouped = q.reshape(num_kv_heads, -1, q.shape[-1])
+    scores = torch.bmm(q_grouped, k.transpose(1, 2)).float() * scale
+    return torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
+def measure_peers(q, k, v, scale, warmup, repeats):
+    peers = {
+        "sdpa_bf16": lambda: sdpa(q, k, v, scale),
+        "bmm_softmax_bf16": lambda: bmm_softmax(q, k, v, scale),
+    }
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    peers["sdpa_fp32"] = lambda: sdpa(q32, k32, v32, scale)
+    return {name: median_time_s(fn, warmup, repeats) for name, fn in peers.items()}
+
+
+def bench_row(shape, seq_len, roofline, args):
+    q, k, v = make_inputs(shape, seq_len)
+    scale = shape.head_dim_qk**-0.5
+    kernel_s = median_time_s(lambda: ops.partial_attention(q, k, v, scale=scale), args.warmup, args.repeats)
+    peers = {} if args.no_peers else measure_peers(q, k, v, scale, 1, args.peer_repeats)
+    nbytes, nflops = kv_bytes(shape, seq_len), flops(shape, seq_len)
+    roofline_s = max(nbytes / (roofline["read_gbps"] * 1e9), nflops / (roofline["fma_gflops"] * 1e9))
+    return {
+        "shape": shape.name,
+        "seq_len": seq_len,
+        "kernel_ms": kernel_s * 1e3,
+        "kv_gbps": nbytes / kernel_s / 1e9,
+        "gflops": nflops / kernel_s / 1e9,
+        "roofline_ms": roofline_s * 1e3,
+        "bound": "memory" if nbytes / roofline["read_gbps"] >= nflops / roofline["fma_gflops"] else "compute",
+        "fraction_of_roofline": roofline_s / kernel_s,
+        **{f"{name}_ms": t * 1e3 for name, t in peers.items()},
+        **{f"speedup_vs_{name}": t / kernel_s for name, t in peers.items()},
+    }
+
+
+def measure_roofline(read_bytes: int) -> dict:
+    read = statistics.median(_cpu.read_bandwidth(read_bytes, 7))
+    fma = statistics.median(_cpu.fma_peak(20_000_000, 5))
+    return {"read_gbps": read, "fma_gflops": fma}
+
+
+def markdown_table(result: dict) -> str:
+    lines = [
+        "| shape | L | kernel ms | KV GB/s | GFLOP/s | bound | roofline ms | of roofline | vs SDPA bf16 | vs SDPA fp32 "
+        "| vs bmm+softmax |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        ratios = [f"{r[k]:.1f}x" if k in r else "-" for k in
+                  ("speedup_vs_sdpa_bf16", "speedup_vs_sdpa_fp32", "speedup_vs_bmm_softmax_bf16")]
+        lines.append(
+            f"| {r['shape']} | {r['seq_len'] // 1024}K | {r['kernel_ms']:.2f} | {r['kv_gbps']:.1f} | {r['gflops']:.0f} "
+            f"| {r['bound']} | {r['roofline_ms']:.2f} | {r['fraction_of_roofline']:.2f} | " + " | ".join(ratios) + " |"
+        )
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 131072],
+                        help="context lengths in tokens")
+    parser.add_argument("--shapes", nargs="+", default=[s.name for s in SHAPES],
+                        choices=[s.name for s in SHAPES], help="model shapes to run")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed kernel calls before timing")
+    parser.add_argument("--repeats", type=int, default=9, help="timed kernel calls (median reported)")
+    parser.add_argument("--peer-repeats", type=int, default=3, help="timed calls of each torch peer")
+    parser.add_argument("--no-peers", action="store_true", help="skip the torch peers")
+    parser.add_argument("--read-bytes", type=int, default=1 << 30, help="buffer of the bandwidth probe")
+    parser.add_argument("--out", default="bench_results/cpu_attention.json", help="JSON output path")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(0)
+
+    roofline = measure_roofline(args.read_bytes)
+    log.info("variant %s, %d threads, read %.1f GB/s, FMA %.0f GFLOP/s", _cpu.__cpu_variant__,
+             _cpu.num_threads(), roofline["read_gbps"], roofline["fma_gflops"])
+    rows = []
+    for shape in (s for s in SHAPES if s.name in args.shapes):
+        for seq_len in args.seq_lens:
+            row = bench_row(shape, seq_len, roofline, args)
+            log.info("%s L=%d: %.2f ms, %.2f of roofline", shape.name, seq_len, row["kernel_ms"],
+                     row["fraction_of_roofline"])
+            rows.append(row)
+    result = {
+        "machine": {"cpu_variant": _cpu.__cpu_variant__, "threads": _cpu.num_threads(),
+                    "torch_threads": torch.get_num_threads(), "processor": platform.processor(),
+                    "cpus": os.cpu_count(), **roofline},
+        "shapes": [asdict(s) for s in SHAPES if s.name in args.shapes],
+        "rows": rows,
+    }
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(markdown_table(result))
+
+
+if __name__ == "__main__":
+    main()
