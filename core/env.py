@@ -24,7 +24,7 @@ class EnvVar:
 CPU_VARIANT = EnvVar(
     "WRITESCOPE_CPU_VARIANT",
     "Forces the CPU kernels' ISA variant, e.g. to test a lower one; an unavailable one fails the import.",
-    "avx512, avx2 or scalar, among those the CPU supports",
+    "avx512bf16, avx512, avx2 or scalar, among those the CPU supports",
 )
 NUM_THREADS = EnvVar(
     "WRITESCOPE_NUM_THREADS",

@@ -21,6 +21,7 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
          __builtin_cpu_supports("fma");
 }
+bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
 bool has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -32,6 +33,7 @@ bool always() { return true; }
 const std::vector<Variant>& all_variants() {
   static const std::vector<Variant> variants{
 #if defined(__x86_64__)
+      {"avx512bf16", &has_avx512bf16, &avx512bf16_kernels},
       {"avx512", &has_avx512, &avx512_kernels},
       {"avx2", &has_avx2, &avx2_kernels},
 #endif

@@ -15,7 +15,7 @@ from tests.tolerances import MERGE, assert_partials_close
 BASE = {"seq_len": 613, "head_dim": 128, "group": 4, "num_kv_heads": 2, "dtype": torch.bfloat16}
 
 
-def make_inputs(seq_len, head_dim, group, num_kv_heads, dtype, head_dim_v=None, q_dtype=torch.float32):
+def make_inputs(seq_len, head_dim, group, num_kv_heads, dtype, head_dim_v=None, q_dtype=torch.bfloat16):
     q = torch.randn(num_kv_heads * group, head_dim).to(q_dtype)
     k = torch.randn(num_kv_heads, seq_len, head_dim).to(dtype)
     v = torch.randn(num_kv_heads, seq_len, head_dim_v or head_dim).to(dtype)
@@ -120,8 +120,8 @@ def test_chunking_does_not_change_the_result(cpu_variant, chunk_tokens):
     lens = torch.tensor([k.shape[1]], dtype=torch.int32)
     out = torch.empty(1, q.shape[0], v.shape[-1])
     lse = torch.empty(1, q.shape[0])
-    _cpu.paged_attention(q3.numpy(), k4.view(torch.int16).numpy(), v4.view(torch.int16).numpy(), table.numpy(),
-                         lens.numpy(), out.numpy(), lse.numpy(), q_dtype="float32", kv_dtype="bfloat16",
+    _cpu.paged_attention(q3.view(torch.int16).numpy(), k4.view(torch.int16).numpy(), v4.view(torch.int16).numpy(),
+                         table.numpy(), lens.numpy(), out.numpy(), lse.numpy(), q_dtype="bfloat16", kv_dtype="bfloat16",
                          scale=128**-0.5, chunk_tokens=chunk_tokens)
     ref_out, ref_lse = ops.partial_attention(q, k, v, backend="torch")
     assert_partials_close(out[0], lse[0], ref_out, ref_lse)
@@ -220,3 +220,14 @@ def test_best_variant_is_the_default():
 def test_roofline_probes_return_positive_figures():
     assert all(gbps > 0 for gbps in _cpu.read_bandwidth(8 << 20, 2))
     assert all(gflops > 0 for gflops in _cpu.fma_peak(10000, 2))
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_strided_query_heads(cpu_variant, q_dtype):
+    # q rows taken from a wider buffer (e.g. a fused qkv projection): head stride != head_dim.
+    fused = torch.randn(8, 3 * 64).to(q_dtype)
+    q = fused[:, 64:128]
+    k = torch.randn(2, 300, 64).bfloat16()
+    v = torch.randn(2, 300, 64).bfloat16()
+    assert q.stride(0) == 192
+    check_against_reference(q, k, v)

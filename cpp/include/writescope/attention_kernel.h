@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "writescope/kernel_args.h"
 #include "writescope/simd_scalar.h"
@@ -20,42 +21,39 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-template <class T> struct KvLoad;
-template <> struct KvLoad<float> {
-  template <class S> static typename S::V vec(const float* p, bool) { return S::load(p); }
-  static float one(const float* p, bool) { return *p; }
+// KV element kinds: the element type in memory and how a vector of it widens to float32.
+struct F32Kv {
+  using Elem = float;
+  template <class S> static typename S::V vec(const float* p) { return S::load(p); }
+  static float one(const float* p) { return *p; }
 };
-template <> struct KvLoad<uint16_t> {
-  template <class S> static typename S::V vec(const uint16_t* p, bool is_bf16) {
-    return S::load(p, is_bf16);
-  }
-  static float one(const uint16_t* p, bool is_bf16) {
-    return is_bf16 ? bf16_bits_to_float(*p) : fp16_bits_to_float(*p);
-  }
+struct Bf16Kv {
+  using Elem = uint16_t;
+  template <class S> static typename S::V vec(const uint16_t* p) { return S::load_bf16(p); }
+  static float one(const uint16_t* p) { return bf16_bits_to_float(*p); }
+};
+struct Fp16Kv {
+  using Elem = uint16_t;
+  template <class S> static typename S::V vec(const uint16_t* p) { return S::load_fp16(p); }
+  static float one(const uint16_t* p) { return fp16_bits_to_float(*p); }
 };
 
-inline float load_q(const void* base, DType dtype, int64_t index) {
-  switch (dtype) {
-    case DType::kFloat32: return static_cast<const float*>(base)[index];
-    case DType::kBFloat16: return bf16_bits_to_float(static_cast<const uint16_t*>(base)[index]);
-    case DType::kFloat16: return fp16_bits_to_float(static_cast<const uint16_t*>(base)[index]);
-  }
-  return 0.0f;
-}
+#define WS_INLINE inline __attribute__((always_inline))
 
-template <class S, class T>
+template <class S, class Kv>
 struct ItemKernel {
   using V = typename S::V;
+  using T = typename Kv::Elem;
   static constexpr int W = S::kWidth;
-  // Register blocking: score tiles of kScoreAccumulators (heads x tokens), PV tiles of
-  // kPvHeads x kPvVectors accumulators; chosen so accumulators + operands fit the register file.
-  // Wider head tiles convert each loaded K/V vector once for more FMAs.
-  static constexpr int kHeadTile = S::kRegisters >= 32 ? 8 : 4;
+  // Register blocking, sized so accumulators + operands fit the register file. Score tiles keep 4 heads so each step loads as many q as K vectors (loads, not FMAs, bound
+  // a wider head tile); value tiles take 8 heads where registers allow, converting each V vector
+  // once for more FMAs.
+  static constexpr int kScoreHeadTile = 4;
+  static constexpr int kValueHeadTile = S::kRegisters >= 32 ? 8 : 4;
   static constexpr int kScoreAccumulators = S::kRegisters >= 32 ? 16 : 8;
   static constexpr int kValueAccumulators = S::kRegisters >= 32 ? 16 : 8;
 
   const PagedAttentionArgs& a;
-  const bool is_bf16;
   const int64_t group, dim_qk, dim_v;
   float* q32;     // [group, dim_qk], pre-scaled
   float* scores;  // [group, kTileTokens]: scores, then probabilities
@@ -63,10 +61,13 @@ struct ItemKernel {
   float* row_sum;  // [group]
   const T** k_rows;  // [kTileTokens]
   const T** v_rows;  // [kTileTokens]
+  // bf16 q against bf16 K with the CPU's bf16 dot product: products of bf16 values are exact in
+  // float32, so this is as accurate as widening first (the scale is applied after the dot).
+  bool bf16_dot = false;
+  const uint16_t* q_bf16 = nullptr;  // [group, q_head_stride] rows of this item's heads
 
   ItemKernel(const PagedAttentionArgs& args, Workspace ws)
       : a(args),
-        is_bf16(args.kv_dtype == DType::kBFloat16),
         group(args.num_q_heads / args.num_kv_heads),
         dim_qk(args.head_dim_qk),
         dim_v(args.head_dim_v) {
@@ -106,35 +107,65 @@ struct ItemKernel {
   }
 
   void load_queries(const WorkItem& item) {
-    const int64_t first_head = item.kv_head * group;
+    if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
+      bf16_dot = a.q_dtype == DType::kBFloat16;
+      if (bf16_dot) {
+        q_bf16 = static_cast<const uint16_t*>(a.q) + item.seq * a.q_seq_stride + item.kv_head * group * a.q_head_stride;
+        return;
+      }
+    }
+    switch (a.q_dtype) {
+      case DType::kFloat32: return load_queries_as(item, F32Kv{});
+      case DType::kBFloat16: return load_queries_as(item, Bf16Kv{});
+      case DType::kFloat16: return load_queries_as(item, Fp16Kv{});
+    }
+  }
+
+  template <class Q>
+  void load_queries_as(const WorkItem& item, Q) {
+    const auto* q = static_cast<const typename Q::Elem*>(a.q) + item.seq * a.q_seq_stride;
     for (int64_t g = 0; g < group; ++g) {
-      const int64_t base = item.seq * a.q_seq_stride + (first_head + g) * a.q_head_stride;
-      for (int64_t d = 0; d < dim_qk; ++d) q32[g * dim_qk + d] = load_q(a.q, a.q_dtype, base + d) * a.scale;
+      const auto* row = q + (item.kv_head * group + g) * a.q_head_stride;
+      for (int64_t d = 0; d < dim_qk; ++d) q32[g * dim_qk + d] = Q::one(row + d) * a.scale;
     }
   }
 
   // Asking for a whole tile's lines at once keeps many misses in flight, where the hardware
-  // prefetcher alone leaves the kernel waiting on memory latency.
+  // prefetcher alone leaves the kernel waiting on memory latency. The next tile goes to L2 only,
+  // so it does not evict the current tile from L1.
+  template <int kLocality>
   static void prefetch_row(const T* row, int64_t dim) {
     const char* bytes = reinterpret_cast<const char*>(row);
     for (int64_t offset = 0; offset < dim * static_cast<int64_t>(sizeof(T)); offset += 64)
-      __builtin_prefetch(bytes + offset, 0, 3);
+      __builtin_prefetch(bytes + offset, 0, kLocality);
   }
 
-  // Row pointers of the tile's tokens, walking the block table without a division per token.
-  // Prefetching the whole tile here measured faster than prefetching the next tile ahead.
+  // Row pointers of the tile's tokens, walking the block table without a division per token, and
+  // prefetches of the next tile's rows (of this tile's too, on the item's first tile).
   void gather_rows(const WorkItem& item, int64_t begin, int64_t count) {
     const int32_t* table = a.block_table + item.seq * a.block_table_stride;
     int64_t block = begin / a.block_size;
     int64_t offset = begin % a.block_size;
     const T* k_base = static_cast<const T*>(a.k) + item.kv_head * a.k_head_stride;
     const T* v_base = static_cast<const T*>(a.v) + item.kv_head * a.v_head_stride;
-    for (int64_t t = 0; t < count; ++t) {
+    const bool first_tile = begin == item.token_begin;
+    const int64_t prefetch_end = begin + count + kTileTokens < item.token_end ? begin + count + kTileTokens
+                                                                              : item.token_end;
+    for (int64_t t = 0; begin + t < prefetch_end; ++t) {
       const int64_t physical = table[block];
-      k_rows[t] = k_base + physical * a.k_block_stride + offset * a.k_token_stride;
-      v_rows[t] = v_base + physical * a.v_block_stride + offset * a.v_token_stride;
-      prefetch_row(k_rows[t], dim_qk);
-      prefetch_row(v_rows[t], dim_v);
+      const T* k_row = k_base + physical * a.k_block_stride + offset * a.k_token_stride;
+      const T* v_row = v_base + physical * a.v_block_stride + offset * a.v_token_stride;
+      if (t < count) {
+        k_rows[t] = k_row;
+        v_rows[t] = v_row;
+        if (first_tile) {
+          prefetch_row<3>(k_row, dim_qk);
+          prefetch_row<3>(v_row, dim_v);
+        }
+      } else {
+        prefetch_row<2>(k_row, dim_qk);
+        prefetch_row<2>(v_row, dim_v);
+      }
       if (++offset == a.block_size) {
         offset = 0;
         ++block;
@@ -143,27 +174,25 @@ struct ItemKernel {
   }
 
   template <int GT, int TT>
-  void score_block(int64_t g0, int64_t t0) {
+  WS_INLINE void score_block(int64_t g0, int64_t t0) {
     V acc[GT * TT];
     for (int i = 0; i < GT * TT; ++i) acc[i] = S::zero();
     const int64_t vec_end = dim_qk - dim_qk % W;
     for (int64_t d = 0; d < vec_end; d += W) {
       V kv[TT];
-      for (int ti = 0; ti < TT; ++ti) kv[ti] = KvLoad<T>::template vec<S>(k_rows[t0 + ti] + d, is_bf16);
+      for (int ti = 0; ti < TT; ++ti) kv[ti] = Kv::template vec<S>(k_rows[t0 + ti] + d);
       for (int gi = 0; gi < GT; ++gi) {
         const V qv = S::load(q32 + (g0 + gi) * dim_qk + d);
         for (int ti = 0; ti < TT; ++ti) acc[gi * TT + ti] = S::fma(qv, kv[ti], acc[gi * TT + ti]);
       }
     }
     float sums[GT * TT];
-    int done = 0;
-    for (; done + 8 <= GT * TT; done += 8) S::reduce_add_8(acc + done, sums + done);
-    for (; done < GT * TT; ++done) sums[done] = S::reduce_add(acc[done]);
+    reduce_scores<GT * TT>(acc, sums);
     for (int gi = 0; gi < GT; ++gi) {
       for (int ti = 0; ti < TT; ++ti) {
         float s = sums[gi * TT + ti];
         for (int64_t d = vec_end; d < dim_qk; ++d)
-          s += q32[(g0 + gi) * dim_qk + d] * KvLoad<T>::one(k_rows[t0 + ti] + d, is_bf16);
+          s += q32[(g0 + gi) * dim_qk + d] * Kv::one(k_rows[t0 + ti] + d);
         scores[(g0 + gi) * kTileTokens + t0 + ti] = s;
       }
     }
@@ -179,11 +208,66 @@ struct ItemKernel {
   }
 
   void compute_scores(int64_t count) {
+    if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
+      if (bf16_dot) {
+        int64_t g = 0;
+        for (; g + kScoreHeadTile <= group; g += kScoreHeadTile) dot_heads<kScoreHeadTile>(g, count);
+        for (; g < group; ++g) dot_heads<1>(g, count);
+        return;
+      }
+    }
     int64_t g = 0;
-    for (; g + kHeadTile <= group; g += kHeadTile) score_heads<kHeadTile>(g, count);
-    for (; g + 4 <= group; g += 4) score_heads<4>(g, count);
+    for (; g + kScoreHeadTile <= group; g += kScoreHeadTile) score_heads<kScoreHeadTile>(g, count);
     for (; g + 2 <= group; g += 2) score_heads<2>(g, count);
     for (; g < group; ++g) score_heads<1>(g, count);
+  }
+
+  template <int GT>
+  void dot_heads(int64_t g0, int64_t count) {
+    constexpr int TT = kScoreAccumulators / GT;
+    int64_t t = 0;
+    for (; t + TT <= count; t += TT) dot_block<GT, TT>(g0, t);
+    for (; t < count; ++t) dot_block<GT, 1>(g0, t);
+  }
+
+  template <int GT, int TT>
+  WS_INLINE void dot_block(int64_t g0, int64_t t0) {
+    if constexpr (S::kBf16Dot) {
+      constexpr int kPairs = S::kBf16PerRaw;
+      V acc[GT * TT];
+      for (int i = 0; i < GT * TT; ++i) acc[i] = S::zero();
+      const int64_t vec_end = dim_qk - dim_qk % kPairs;
+      for (int64_t d = 0; d < vec_end; d += kPairs) {
+        typename S::Raw kv[TT];
+        for (int ti = 0; ti < TT; ++ti) kv[ti] = S::load_raw(k_rows[t0 + ti] + d);
+        for (int gi = 0; gi < GT; ++gi) {
+          const typename S::Raw qv = S::load_raw(q_bf16 + (g0 + gi) * a.q_head_stride + d);
+          for (int ti = 0; ti < TT; ++ti) acc[gi * TT + ti] = S::dot_bf16(acc[gi * TT + ti], qv, kv[ti]);
+        }
+      }
+      float sums[GT * TT];
+      reduce_scores<GT * TT>(acc, sums);
+      for (int gi = 0; gi < GT; ++gi) {
+        const uint16_t* q_row = q_bf16 + (g0 + gi) * a.q_head_stride;
+        for (int ti = 0; ti < TT; ++ti) {
+          float s = sums[gi * TT + ti];
+          for (int64_t d = vec_end; d < dim_qk; ++d) s += bf16_bits_to_float(q_row[d]) * Kv::one(k_rows[t0 + ti] + d);
+          scores[(g0 + gi) * kTileTokens + t0 + ti] = s * a.scale;
+        }
+      }
+    }
+  }
+
+  template <int N>
+  static WS_INLINE void reduce_scores(const V* acc, float* sums) {
+    if constexpr (N % 8 == 0) {
+#pragma GCC unroll 4
+      for (int i = 0; i < N; i += 8)
+        S::reduce_add_8(acc[i], acc[i + 1], acc[i + 2], acc[i + 3], acc[i + 4], acc[i + 5], acc[i + 6], acc[i + 7],
+                        sums + i);
+    } else {
+      for (int i = 0; i < N; ++i) sums[i] = S::reduce_add(acc[i]);
+    }
   }
 
   // Online softmax: new running max, rescale the running sum and accumulator, probabilities.
@@ -215,13 +299,13 @@ struct ItemKernel {
   }
 
   template <int GT, int NV>
-  void value_block(int64_t g0, int64_t d0, int64_t count, float* acc) {
+  WS_INLINE void value_block(int64_t g0, int64_t d0, int64_t count, float* acc) {
     V sum[GT][NV];
     for (int gi = 0; gi < GT; ++gi)
       for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::load(acc + (g0 + gi) * dim_v + d0 + vi * W);
     for (int64_t t = 0; t < count; ++t) {
       V vv[NV];
-      for (int vi = 0; vi < NV; ++vi) vv[vi] = KvLoad<T>::template vec<S>(v_rows[t] + d0 + vi * W, is_bf16);
+      for (int vi = 0; vi < NV; ++vi) vv[vi] = Kv::template vec<S>(v_rows[t] + d0 + vi * W);
       for (int gi = 0; gi < GT; ++gi) {
         const V p = S::set1(scores[(g0 + gi) * kTileTokens + t]);
         for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::fma(p, vv[vi], sum[gi][vi]);
@@ -242,7 +326,7 @@ struct ItemKernel {
       for (int gi = 0; gi < GT; ++gi) {
         float s = acc[(g0 + gi) * dim_v + d];
         for (int64_t t = 0; t < count; ++t)
-          s += scores[(g0 + gi) * kTileTokens + t] * KvLoad<T>::one(v_rows[t] + d, is_bf16);
+          s += scores[(g0 + gi) * kTileTokens + t] * Kv::one(v_rows[t] + d);
         acc[(g0 + gi) * dim_v + d] = s;
       }
     }
@@ -250,7 +334,7 @@ struct ItemKernel {
 
   void accumulate_values(int64_t count, float* acc) {
     int64_t g = 0;
-    for (; g + kHeadTile <= group; g += kHeadTile) value_heads<kHeadTile>(g, count, acc);
+    for (; g + kValueHeadTile <= group; g += kValueHeadTile) value_heads<kValueHeadTile>(g, count, acc);
     for (; g + 4 <= group; g += 4) value_heads<4>(g, count, acc);
     for (; g + 2 <= group; g += 2) value_heads<2>(g, count, acc);
     for (; g < group; ++g) value_heads<1>(g, count, acc);
@@ -259,12 +343,14 @@ struct ItemKernel {
 
 template <class S>
 void attend_item(const PagedAttentionArgs& args, const WorkItem& item, Workspace ws) {
-  if (args.kv_dtype == DType::kFloat32) {
-    ItemKernel<S, float>(args, ws).run(item);
-  } else {
-    ItemKernel<S, uint16_t>(args, ws).run(item);
+  switch (args.kv_dtype) {
+    case DType::kFloat32: ItemKernel<S, F32Kv>(args, ws).run(item); break;
+    case DType::kBFloat16: ItemKernel<S, Bf16Kv>(args, ws).run(item); break;
+    case DType::kFloat16: ItemKernel<S, Fp16Kv>(args, ws).run(item); break;
   }
 }
+
+#undef WS_INLINE
 
 }  // namespace
 }  // namespace writescope

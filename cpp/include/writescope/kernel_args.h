@@ -66,5 +66,6 @@ struct IsaKernels {
 const IsaKernels& scalar_kernels();
 const IsaKernels& avx2_kernels();
 const IsaKernels& avx512_kernels();
+const IsaKernels& avx512bf16_kernels();
 
 }  // namespace writescope

@@ -11,16 +11,17 @@ namespace {
 struct Avx2Simd {
   using V = __m256;
   static constexpr int kWidth = 8;
+  static constexpr bool kBf16Dot = false;
   static constexpr int kRegisters = 16;
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static V load(const uint16_t* p, bool is_bf16) {
+  static V load_bf16(const uint16_t* p) {
     const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if (is_bf16) {
-      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-    }
-    return _mm256_cvtph_ps(half);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+  static V load_fp16(const uint16_t* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
@@ -35,10 +36,13 @@ struct Avx2Simd {
     return _mm_cvtss_f32(sum);
   }
   // Eight horizontal sums at once: out[i] = sum of the lanes of x[i].
-  static void reduce_add_8(const V* x, float* out) { _mm256_storeu_ps(out, transpose_sum_8(x)); }
-  static __m256 transpose_sum_8(const __m256* x) {
-    const __m256 s01 = _mm256_hadd_ps(x[0], x[1]), s23 = _mm256_hadd_ps(x[2], x[3]);
-    const __m256 s45 = _mm256_hadd_ps(x[4], x[5]), s67 = _mm256_hadd_ps(x[6], x[7]);
+  static void reduce_add_8(V x0, V x1, V x2, V x3, V x4, V x5, V x6, V x7, float* out) {
+    _mm256_storeu_ps(out, transpose_sum_8(x0, x1, x2, x3, x4, x5, x6, x7));
+  }
+  static __m256 transpose_sum_8(__m256 x0, __m256 x1, __m256 x2, __m256 x3, __m256 x4, __m256 x5, __m256 x6,
+                                __m256 x7) {
+    const __m256 s01 = _mm256_hadd_ps(x0, x1), s23 = _mm256_hadd_ps(x2, x3);
+    const __m256 s45 = _mm256_hadd_ps(x4, x5), s67 = _mm256_hadd_ps(x6, x7);
     const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
     return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
   }

@@ -6,22 +6,27 @@
 
 #include <cstdint>
 
+#include "writescope/simd_avx2.h"
+
 namespace writescope {
 namespace {
+
+using Avx2Fold = Avx2Simd;
 
 struct Avx512Simd {
   using V = __m512;
   static constexpr int kWidth = 16;
+  static constexpr bool kBf16Dot = false;
   static constexpr int kRegisters = 32;
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static V load(const uint16_t* p, bool is_bf16) {
+  static V load_bf16(const uint16_t* p) {
     const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if (is_bf16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-    }
-    return _mm512_cvtph_ps(half);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  }
+  static V load_fp16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
@@ -32,15 +37,12 @@ struct Avx512Simd {
   static float reduce_add(V x) { return _mm512_reduce_add_ps(x); }
   static float reduce_max(V x) { return _mm512_reduce_max_ps(x); }
   // Eight horizontal sums at once: fold each vector to 256 bits, then one hadd tree.
-  static void reduce_add_8(const V* x, float* out) {
-    __m256 h[8];
-    for (int i = 0; i < 8; ++i)
-      h[i] = _mm256_add_ps(_mm512_castps512_ps256(x[i]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x[i]), 1)));
-    const __m256 s01 = _mm256_hadd_ps(h[0], h[1]), s23 = _mm256_hadd_ps(h[2], h[3]);
-    const __m256 s45 = _mm256_hadd_ps(h[4], h[5]), s67 = _mm256_hadd_ps(h[6], h[7]);
-    const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
-                                        _mm256_permute2f128_ps(s0123, s4567, 0x31)));
+  static void reduce_add_8(V x0, V x1, V x2, V x3, V x4, V x5, V x6, V x7, float* out) {
+    _mm256_storeu_ps(out, Avx2Fold::transpose_sum_8(fold(x0), fold(x1), fold(x2), fold(x3), fold(x4), fold(x5),
+                                                    fold(x6), fold(x7)));
+  }
+  static __m256 fold(V x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
   }
   // Same polynomial as the AVX2 path; scalef applies 2^n and handles the exponent range.
   static V exp(V x) {

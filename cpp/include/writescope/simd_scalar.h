@@ -43,13 +43,13 @@ inline float fp16_bits_to_float(uint16_t bits) {
 struct ScalarSimd {
   using V = float;
   static constexpr int kWidth = 1;
+  static constexpr bool kBf16Dot = false;
   static constexpr int kRegisters = 16;
   static V zero() { return 0.0f; }
   static V set1(float x) { return x; }
   static V load(const float* p) { return *p; }
-  static V load(const uint16_t* p, bool is_bf16) {
-    return is_bf16 ? bf16_bits_to_float(*p) : fp16_bits_to_float(*p);
-  }
+  static V load_bf16(const uint16_t* p) { return bf16_bits_to_float(*p); }
+  static V load_fp16(const uint16_t* p) { return fp16_bits_to_float(*p); }
   static void store(float* p, V x) { *p = x; }
   static V fma(V a, V b, V c) { return a * b + c; }
   static V mul(V a, V b) { return a * b; }
@@ -58,8 +58,8 @@ struct ScalarSimd {
   static V max(V a, V b) { return a > b ? a : b; }
   static float reduce_add(V x) { return x; }
   static float reduce_max(V x) { return x; }
-  static void reduce_add_8(const V* x, float* out) {
-    for (int i = 0; i < 8; ++i) out[i] = x[i];
+  static void reduce_add_8(V x0, V x1, V x2, V x3, V x4, V x5, V x6, V x7, float* out) {
+    out[0] = x0, out[1] = x1, out[2] = x2, out[3] = x3, out[4] = x4, out[5] = x5, out[6] = x6, out[7] = x7;
   }
   static V exp(V x) { return std::exp(x); }
 };

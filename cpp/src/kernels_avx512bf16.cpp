@@ -1,0 +1,37 @@
+// AVX-512 + AVX512-BF16 kernels (bf16 dot products for bf16 q.K). Library headers come before the target pragma so nothing with
+// external linkage is compiled for this ISA; the table itself is built at the baseline target.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#include "writescope/kernel_args.h"
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
+#include "writescope/attention_kernel.h"
+#include "writescope/roofline_kernel.h"
+#include "writescope/simd_avx512bf16.h"
+
+namespace writescope {
+namespace {
+void attend_item_avx512bf16(const PagedAttentionArgs& args, const WorkItem& item, Workspace ws) {
+  attend_item<Avx512Bf16Simd>(args, item, ws);
+}
+double read_sum_avx512bf16(const float* data, int64_t count) { return read_sum<Avx512Bf16Simd>(data, count); }
+double fma_burst_avx512bf16(int64_t iterations) { return FmaBurst<Avx512Bf16Simd>::run(iterations); }
+}  // namespace
+}  // namespace writescope
+#pragma GCC pop_options
+
+namespace writescope {
+const IsaKernels& avx512bf16_kernels() {
+  static const IsaKernels kernels{"avx512bf16", &attend_item_avx512bf16, &read_sum_avx512bf16, &fma_burst_avx512bf16,
+                                  FmaBurst<Avx512Bf16Simd>::kFlopsPerIteration};
+  return kernels;
+}
+}  // namespace writescope
+#endif
