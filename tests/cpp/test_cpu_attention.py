@@ -231,3 +231,24 @@ def test_strided_query_heads(cpu_variant, q_dtype):
     v = torch.randn(2, 300, 64).bfloat16()
     assert q.stride(0) == 192
     check_against_reference(q, k, v)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_offsets_beyond_int32(backend):
+    # A pool of more than 2**31 elements (4.3 GB of address space, left untouched except the
+    # blocks used): the used blocks sit past element 2**31, so 32-bit offsets would wrap.
+    block_size, head_dim = 16, 128
+    num_blocks = 2**31 // (block_size * head_dim) + 8
+    k_cache = torch.empty(num_blocks, 1, block_size, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.empty(num_blocks, 1, block_size, head_dim, dtype=torch.bfloat16)
+    used = torch.arange(num_blocks - 4, num_blocks, dtype=torch.int32)
+    k_cache[used.long()] = torch.randn(4, 1, block_size, head_dim).bfloat16()
+    v_cache[used.long()] = torch.randn(4, 1, block_size, head_dim).bfloat16()
+    assert int(used[0]) * block_size * head_dim > 2**31
+    q = torch.randn(1, 4, head_dim).bfloat16()
+    table, lens = used[None], torch.tensor([60], dtype=torch.int32)
+    out, lse = ops.paged_partial_attention(q, k_cache, v_cache, table, lens, backend=backend)
+    k = k_cache[used.long()].permute(1, 0, 2, 3).reshape(1, 64, head_dim)[:, :60]
+    v = v_cache[used.long()].permute(1, 0, 2, 3).reshape(1, 64, head_dim)[:, :60]
+    ref_out, ref_lse = ops.partial_attention(q[0], k, v, backend="torch")
+    assert_partials_close(out[0], lse[0], ref_out, ref_lse)
