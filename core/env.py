@@ -20,6 +20,10 @@ class EnvVar:
         value = os.environ.get(self.name)
         return value if value else None
 
+    def enabled(self) -> bool:
+        """A flag: set and not "0"."""
+        return self.get() not in (None, "0")
+
 
 CPU_VARIANT = EnvVar(
     "WRITESCOPE_CPU_VARIANT",
@@ -32,4 +36,11 @@ NUM_THREADS = EnvVar(
     "an integer in [1, 4096]",
 )
 
-ALL = (CPU_VARIANT, NUM_THREADS)
+TRITON_INTERPRET = EnvVar(
+    "TRITON_INTERPRET",
+    "Runs the Triton kernels in Triton's interpreter on CPU tensors (machines without a GPU). Read by "
+    "Triton when `writescope.triton_attention` is imported: set it before that import.",
+    "1 to interpret, unset or 0 to compile for the GPU",
+)
+
+ALL = (CPU_VARIANT, NUM_THREADS, TRITON_INTERPRET)

@@ -7,17 +7,21 @@ with its log-sum-exp:
     lse [num_q_heads]              float32, natural log of sum exp(q k^T * scale); -inf when empty
 
 Partials of disjoint parts merge exactly (see `merge_partials`), so attention can be split along
-the sequence between devices. Backends: "torch" (float32 reference) and "cpu" (the C++ kernel).
+the sequence between devices. Backends: "torch" (float32 reference, any device), "cpu" (the C++
+kernel, CPU tensors) and "triton" (split-KV Triton kernels: CUDA tensors, or CPU tensors under
+`TRITON_INTERPRET=1`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
-from writescope import reference
 
-BACKENDS = ("torch", "cpu")
+from writescope import env, reference
+
+BACKENDS = ("torch", "cpu", "triton")
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -36,12 +40,23 @@ def partial_attention(q, k, v, *, scale=None, backend="cpu"):
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must hold the same number of tokens, got k {tuple(k.shape)}, v {tuple(v.shape)}")
     seq_len = k.shape[1]
-    block_table = torch.zeros((1, 1), dtype=torch.int32)
-    seq_lens = torch.tensor([seq_len], dtype=torch.int32)
+    block_table = torch.zeros((1, 1), dtype=torch.int32, device=k.device)
+    seq_lens = torch.tensor([seq_len], dtype=torch.int32, device=k.device)
     out, lse = paged_partial_attention(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), block_table, seq_lens, scale=scale, backend=backend
     )
     return out[0], lse[0]
+
+
+class KVSource(NamedTuple):
+    """One paged KV source of a batch: k_cache [num_blocks, num_kv_heads, block_size, head_dim_qk],
+    v_cache [num_blocks, num_kv_heads, block_size, head_dim_v], block_table [num_seqs, max_blocks]
+    int32, seq_lens [num_seqs] int32."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
 
 
 def paged_partial_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, backend="cpu"):
@@ -55,12 +70,37 @@ def paged_partial_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale
     seq_lens [num_seqs] int32
     -> out [num_seqs, num_q_heads, head_dim_v] float32, lse [num_seqs, num_q_heads] float32
     """
+    return multi_source_partial_attention(
+        q, [KVSource(k_cache, v_cache, block_table, seq_lens)], scale=scale, backend=backend
+    )
+
+
+def multi_source_partial_attention(q, sources, *, scale=None, backend="cpu"):
+    """One partial over several paged sources holding disjoint tokens of the same sequences (the
+    GPU window and the ping-pong buffer, say). q [num_seqs, num_q_heads, head_dim_qk]; sources: a
+    non-empty sequence of `KVSource` -> out [num_seqs, num_q_heads, head_dim_v], lse [num_seqs,
+    num_q_heads]. The triton backend fuses the sources into one split-KV reduction; the others
+    attend each source and merge."""
     _check_backend(backend)
-    _check_paged_structure(q, k_cache, v_cache, block_table, seq_lens)
+    if not sources:
+        raise ValueError("sources must hold at least one KVSource")
+    sources = [KVSource(*source) for source in sources]
+    for source in sources:
+        _check_paged_structure(q, *source)
+    if len({s.v_cache.shape[-1] for s in sources}) != 1:
+        raise ValueError("every source must have the same head_dim_v")
+    _check_devices(backend, q, *(t for source in sources for t in source))
     scale = _resolve_scale(scale, q.shape[-1])
-    if backend == "torch":
-        return reference.paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
-    return _cpu_paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale)
+    if backend == "triton":
+        for source in sources:
+            _check_block_values(source)
+        return _triton_module().paged_attention(q, sources, scale)
+    attend = reference.paged_attention if backend == "torch" else _cpu_paged_attention
+    partials = [attend(q, *source, scale) for source in sources]
+    if len(partials) == 1:
+        return partials[0]
+    return merge_partials(torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]),
+                          backend="torch" if backend == "torch" else "cpu")
 
 
 def merge_partials(outs, lses, *, backend="torch"):
@@ -73,8 +113,13 @@ def merge_partials(outs, lses, *, backend="torch"):
     """
     _check_backend(backend)
     _check_merge_args(outs, lses)
+    _check_devices(backend, outs, lses)
     if backend == "torch":
         return reference.merge_partials(outs, lses)
+    if not (outs.is_contiguous() and lses.is_contiguous()):
+        raise ValueError(f"outs and lses must be contiguous for the {backend} backend")
+    if backend == "triton":
+        return _merge_flattened(outs, lses, _triton_module().merge_partials)
     return _cpu_merge_partials(outs, lses)
 
 
@@ -91,8 +136,24 @@ def _check_tensor(t, name, ndim, layout, dtypes):
     if t.dtype not in dtypes:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
         raise ValueError(f"{name} has dtype {str(t.dtype).removeprefix('torch.')}; allowed: {allowed}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name} is on {t.device}; the torch and cpu backends take CPU tensors")
+
+
+def _check_devices(backend, *tensors):
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if backend == "cpu" and device.type != "cpu":
+        raise ValueError(f"the cpu backend takes CPU tensors, got {device}")
+    if backend == "triton":
+        interpreted = env.TRITON_INTERPRET.enabled()
+        if device.type == "cpu" and not interpreted:
+            raise ValueError("the triton backend takes CUDA tensors; for CPU tensors set TRITON_INTERPRET=1 "
+                             "before writescope.triton_attention is imported")
+        if device.type == "cuda" and interpreted:
+            raise ValueError("TRITON_INTERPRET is set: the triton backend runs interpreted on CPU tensors only")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"the triton backend takes CUDA tensors, got {device}")
 
 
 def _check_paged_structure(q, k_cache, v_cache, block_table, seq_lens):
@@ -118,6 +179,27 @@ def _check_paged_structure(q, k_cache, v_cache, block_table, seq_lens):
             f"block_table {tuple(block_table.shape)} and seq_lens {tuple(seq_lens.shape)} must have "
             f"num_seqs = {num_seqs} rows, as q"
         )
+
+
+def _check_block_values(source):
+    """Every block a sequence uses is inside the cache, and no sequence is longer than its table:
+    checked on the tensors' device with one host sync, before any kernel reads through them."""
+    num_blocks, _, block_size, _ = source.k_cache.shape
+    table, lens = source.block_table, source.seq_lens
+    capacity = table.shape[1] * block_size
+    lens64 = lens.long()
+    used_blocks = (lens64 + max(block_size, 1) - 1) // max(block_size, 1)
+    used = torch.arange(table.shape[1], device=table.device)[None, :] < used_blocks[:, None]
+    bad_block = used & ((table < 0) | (table >= num_blocks))
+    bad_len = (lens64 < 0) | (lens64 > capacity)
+    if bool(bad_block.any() | bad_len.any()):
+        if bad_len.any():
+            s = int(bad_len.nonzero()[0, 0])
+            raise ValueError(
+                f"seq_lens[{s}] = {int(lens[s])} is outside [0, {capacity}] (max_blocks_per_seq x block_size)"
+            )
+        s, j = (int(x) for x in bad_block.nonzero()[0])
+        raise ValueError(f"block_table[{s}, {j}] = {int(table[s, j])} is outside [0, {num_blocks})")
 
 
 def _check_merge_args(outs, lses):
@@ -147,6 +229,12 @@ def _as_numpy(t):
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
+def _triton_module():
+    from writescope import triton_attention
+
+    return triton_attention
+
+
 def _cpu_module():
     from writescope import _cpu
 
@@ -165,16 +253,22 @@ def _cpu_paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale):
     return out, lse
 
 
-def _cpu_merge_partials(outs, lses):
-    if not (outs.is_contiguous() and lses.is_contiguous()):
-        raise ValueError("outs and lses must be contiguous for the cpu backend")
+def _merge_flattened(outs, lses, merge_rows):
+    """Runs a [num_parts, rows, dim] merge over outs [num_parts, *rows, dim] (contiguous: views only)."""
     rows_shape = tuple(lses.shape[1:])
     num_parts, head_dim_v = lses.shape[0], outs.shape[-1]
     num_rows = math.prod(rows_shape)
-    out = torch.empty((*rows_shape, head_dim_v), dtype=torch.float32)
-    lse = torch.empty(rows_shape, dtype=torch.float32)
-    _cpu_module().merge_partials(
-        _as_numpy(outs.reshape(num_parts, num_rows, head_dim_v)), _as_numpy(lses.reshape(num_parts, num_rows)),
-        out.numpy().reshape(num_rows, head_dim_v), lse.numpy().reshape(num_rows),
-    )
+    out, lse = merge_rows(outs.reshape(num_parts, num_rows, head_dim_v), lses.reshape(num_parts, num_rows))
+    return out.reshape(*rows_shape, head_dim_v), lse.reshape(rows_shape)
+
+
+def _cpu_merge_rows(outs, lses):
+    num_parts, num_rows, head_dim_v = outs.shape
+    out = torch.empty((num_rows, head_dim_v), dtype=torch.float32)
+    lse = torch.empty((num_rows,), dtype=torch.float32)
+    _cpu_module().merge_partials(_as_numpy(outs), _as_numpy(lses), out.numpy(), lse.numpy())
     return out, lse
+
+
+def _cpu_merge_partials(outs, lses):
+    return _merge_flattened(outs, lses, _cpu_merge_rows)

@@ -1,5 +1,13 @@
-import pytest
+import os
+
 import torch
+
+# Triton reads TRITON_INTERPRET when the kernels are decorated: set it before anything imports
+# writescope.triton_attention. With CUDA present the Triton tests run compiled instead.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -22,3 +30,15 @@ def cpu_variant(request):
     _cpu.set_variant(request.param)
     yield request.param
     _cpu.set_variant(default)
+
+
+@pytest.fixture(params=["interpreter", pytest.param("cuda", marks=pytest.mark.gpu)])
+def triton_device(request):
+    """The device the Triton kernels run on: the CPU under the interpreter, or a CUDA GPU, compiled."""
+    from writescope import env
+
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the compiled Triton tests need a GPU")
+    if request.param == "interpreter" and not env.TRITON_INTERPRET.enabled():
+        pytest.skip("TRITON_INTERPRET is off in this process: the Triton tests run compiled on CUDA")
+    return "cpu" if request.param == "interpreter" else "cuda"

@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+
 from writescope import _cpu, ops
 
 log = logging.getLogger("bench_cpu_attention")

@@ -4,9 +4,9 @@ import math
 
 import pytest
 import torch
-from writescope import ops, reference
 
 from tests.tolerances import MERGE
+from writescope import ops, reference
 
 
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 8), (8, 2), (16, 1)])

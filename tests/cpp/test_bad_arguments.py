@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+
 from writescope import _cpu, ops
 
 
@@ -183,6 +184,13 @@ OPS_CASES = {
                        "num_parts >= 1"),
     "merge cpu strided": (lambda q, k, v: ops.merge_partials(torch.zeros(2, 4, 3).transpose(1, 2),
                                                              torch.zeros(2, 3), backend="cpu"), "contiguous"),
+    "mixed devices": (lambda q, k, v: ops.partial_attention(q, k.to("meta"), v, backend="torch"),
+                      "all tensors must be on one device"),
+    "cpu backend off the CPU": (lambda q, k, v: ops.partial_attention(q.to("meta"), k.to("meta"), v.to("meta")),
+                                "the cpu backend takes CPU tensors, got meta"),
+    "triton backend off CUDA": (lambda q, k, v: ops.partial_attention(q.to("meta"), k.to("meta"), v.to("meta"),
+                                                                      backend="triton"), "takes CUDA tensors, got meta"),
+    "no sources": (lambda q, k, v: ops.multi_source_partial_attention(q[None], []), "at least one KVSource"),
 }
 
 

@@ -8,18 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from tests.inputs import make_inputs, make_paged
+from tests.tolerances import MERGE, assert_partials_close
 from writescope import _cpu, ops
 
-from tests.tolerances import MERGE, assert_partials_close
-
 BASE = {"seq_len": 613, "head_dim": 128, "group": 4, "num_kv_heads": 2, "dtype": torch.bfloat16}
-
-
-def make_inputs(seq_len, head_dim, group, num_kv_heads, dtype, head_dim_v=None, q_dtype=torch.bfloat16):
-    q = torch.randn(num_kv_heads * group, head_dim).to(q_dtype)
-    k = torch.randn(num_kv_heads, seq_len, head_dim).to(dtype)
-    v = torch.randn(num_kv_heads, seq_len, head_dim_v or head_dim).to(dtype)
-    return q, k, v
 
 
 def check_against_reference(q, k, v, scale=None):
@@ -76,22 +70,6 @@ def test_fp16_subnormals_and_large_values_convert_exactly(cpu_variant):
     k[0, 5:10] = torch.tensor(-60000.0, dtype=torch.float16) / 1000
     v = (torch.randn(1, 40, 64) * 1000).to(torch.float16)
     check_against_reference(q, k, v)
-
-
-def make_paged(seq_lens, block_size, num_kv_heads=2, group=4, head_dim=64, spare_blocks=3, dtype=torch.bfloat16):
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + spare_blocks
-    max_blocks = max(blocks_per_seq + [1])
-    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
-    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, head_dim).to(dtype)
-    order = torch.randperm(num_blocks).to(torch.int32)  # shuffled physical blocks
-    table = torch.full((len(seq_lens), max_blocks), -1, dtype=torch.int32)  # unused entries invalid
-    used = 0
-    for s, n in enumerate(blocks_per_seq):
-        table[s, :n] = order[used:used + n]
-        used += n
-    q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim)
-    return q, k_cache, v_cache, table, torch.tensor(seq_lens, dtype=torch.int32)
 
 
 @pytest.mark.parametrize("block_size", [16, 17, 64])

@@ -1,0 +1,134 @@
+"""Triton split-KV decode on a GPU against the device's copy bandwidth and torch SDPA, plus the
+host-to-device bandwidth the ping-pong stream gets from pinned vs pageable memory.
+
+For each context length and model shape (bf16 KV, one decode query): median kernel time (CUDA
+events), achieved HBM GB/s = KV bytes / time, that as a fraction of the device-to-device copy
+bandwidth measured in the same run (bytes read + written / time), and the ratio against torch
+`scaled_dot_product_attention` (bf16, enable_gqa) on the same tensors. The kernel is timed through
+`writescope.triton_attention.paged_attention`, below the ops boundary's argument checks.
+
+    python tools/bench_gpu_attention.py --out $OUT/gpu_attention.json
+    TRITON_INTERPRET=1 python tools/bench_gpu_attention.py --smoke   # checks the script on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_cpu_attention import SHAPES, flops, kv_bytes  # noqa: E402
+
+log = logging.getLogger("bench_gpu_attention")
+
+
+def median_ms(fn, device, warmup, repeats):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - begin) * 1e3)
+    return statistics.median(times)
+
+
+def copy_gbps(device, num_bytes, repeats):
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), device, 3, repeats)
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
+
+
+def host_to_device_gbps(pinned, num_bytes, repeats):
+    host = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned)
+    dev = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    ms = median_ms(lambda: dev.copy_(host, non_blocking=pinned), "cuda", 2, repeats)
+    return num_bytes / (ms * 1e-3) / 1e9
+
+
+def bench_row(shape, seq_len, device, copy_bw, args):
+    from writescope import ops, triton_attention
+
+    q = torch.randn(1, shape.num_q_heads, shape.head_dim_qk, device=device).bfloat16()
+    k = torch.randn(shape.num_kv_heads, seq_len, shape.head_dim_qk, device=device).bfloat16()
+    v = k[..., : shape.head_dim_v] if shape.v_is_latent else torch.randn(
+        shape.num_kv_heads, seq_len, shape.head_dim_v, device=device).bfloat16()
+    table = torch.zeros((1, 1), dtype=torch.int32, device=device)
+    lens = torch.tensor([seq_len], dtype=torch.int32, device=device)
+    source = ops.KVSource(k[None], v[None], table, lens)
+    scale = shape.head_dim_qk**-0.5
+    ms = median_ms(lambda: triton_attention.paged_attention(q, [source], scale), device, args.warmup, args.repeats)
+    row = {"shape": shape.name, "seq_len": seq_len, "kernel_ms": ms,
+           "hbm_gbps": kv_bytes(shape, seq_len) / (ms * 1e-3) / 1e9,
+           "tflops": flops(shape, seq_len) / (ms * 1e-3) / 1e12}
+    row["fraction_of_copy_bw"] = row["hbm_gbps"] / copy_bw
+    sdpa_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k[None], v[None], scale=scale, enable_gqa=True), device, args.warmup, args.repeats)
+    row["sdpa_ms"] = sdpa_ms
+    row["speedup_vs_sdpa"] = sdpa_ms / ms
+    return row
+
+
+def markdown_table(result):
+    lines = ["| shape | L | kernel ms | HBM GB/s | of copy BW | vs SDPA |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['shape']} | {r['seq_len'] // 1024}K | {r['kernel_ms']:.3f} | {r['hbm_gbps']:.0f} "
+                     f"| {r['fraction_of_copy_bw']:.2f} | {r['speedup_vs_sdpa']:.2f}x |")
+    machine = result["machine"]
+    lines.append("")
+    lines.append(f"Device copy {machine['copy_gbps']:.0f} GB/s (read + write); host-to-device "
+                 f"{machine.get('h2d_pinned_gbps', float('nan')):.1f} GB/s pinned, "
+                 f"{machine.get('h2d_pageable_gbps', float('nan')):.1f} GB/s pageable.")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 131072], help="context lengths")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed calls before timing")
+    parser.add_argument("--repeats", type=int, default=30, help="timed calls (median reported)")
+    parser.add_argument("--smoke", action="store_true", help="tiny run on the CPU interpreter: checks the script")
+    parser.add_argument("--out", default="bench_results/gpu_attention.json", help="JSON output path")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    torch.manual_seed(0)
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("no CUDA device: run on a GPU machine, or use --smoke with TRITON_INTERPRET=1")
+    if args.smoke:
+        args.seq_lens, args.warmup, args.repeats = [64], 0, 1
+    machine = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu (interpreter)",
+               "copy_gbps": copy_gbps(device, (1 << 30) if device == "cuda" else (1 << 20), 1 if args.smoke else 20)}
+    if device == "cuda":
+        machine["h2d_pinned_gbps"] = host_to_device_gbps(True, 1 << 28, 10)
+        machine["h2d_pageable_gbps"] = host_to_device_gbps(False, 1 << 28, 10)
+    rows = []
+    for shape in SHAPES:
+        for seq_len in args.seq_lens:
+            rows.append(bench_row(shape, seq_len, device, machine["copy_gbps"], args))
+            log.info("%s L=%d: %.3f ms", shape.name, seq_len, rows[-1]["kernel_ms"])
+    result = {"machine": machine, "rows": rows}
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(markdown_table(result))
+
+
+if __name__ == "__main__":
+    main()
