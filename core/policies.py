@@ -1,0 +1,101 @@
+"""Placement policies behind one interface: where new KV blocks go, and who attends what.
+
+Residency is fixed at write time, so a policy acts only on future writes (prefill routing and
+window flushes); placed KV never moves. Baselines are policies on the same engine:
+
+    writescope    follow r* of the (online-corrected) perf model
+    all_transfer  r = 0: everything spilled is shipped to the GPU (SolidAttention / FlexGen style)
+    all_cpu       r = 1: everything spilled is attended on the CPU (FastDecode / KTransformers style)
+    fixed_half    r = 0.5
+    monolithic    one cache in one physical state (unpinned host memory), shipped whole to the GPU
+                  every step with pageable copies, as transformers' offloaded cache does
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from enum import Enum
+
+from writescope.perf_model import OnlineEstimator, PerfModel
+
+
+class Region(str, Enum):
+    CPU_COMPUTE = "cpu_compute"
+    CPU_TRANSFER = "cpu_transfer"
+
+
+class Policy(ABC):
+    name: str
+    # True: the KV in cpu_compute is shipped to the device each step and attended there (pageable copies)
+    ships_cpu_compute: bool = False
+
+    @abstractmethod
+    def share(self, batch_tokens: int) -> float:
+        """The CPU share r wanted for a batch holding batch_tokens of KV outside the GPU window."""
+
+    def route_blocks(self, cpu_tokens: int, total_tokens: int, new_block_tokens: list[int],
+                     batch_tokens: int) -> list[Region]:
+        """Regions of a sequence's next sealed blocks, in order.
+
+        cpu_tokens of the sequence's total_tokens already placed are in cpu_compute; each new block
+        goes where the sequence's CPU token count lands closest to r * (tokens placed), so the
+        placed share stays within half a block of r while r is steady.
+        """
+        share = self.share(batch_tokens)
+        regions = []
+        for block_tokens in new_block_tokens:
+            total_tokens += block_tokens
+            to_cpu = cpu_tokens + block_tokens / 2 < share * total_tokens
+            regions.append(Region.CPU_COMPUTE if to_cpu else Region.CPU_TRANSFER)
+            cpu_tokens += block_tokens if to_cpu else 0
+        return regions
+
+
+class FixedSharePolicy(Policy):
+    def __init__(self, name: str, share: float):
+        if not 0 <= share <= 1:
+            raise ValueError(f"share must be in [0, 1], got {share}")
+        self.name = name
+        self._share = share
+
+    def share(self, batch_tokens: int) -> float:
+        return self._share
+
+
+class MonolithicPolicy(Policy):
+    name = "monolithic"
+    ships_cpu_compute = True
+
+    def share(self, batch_tokens: int) -> float:
+        return 1.0  # every block lands in the one unpinned cache; the GPU attends it after shipping
+
+
+class WriteScopePolicy(Policy):
+    name = "writescope"
+
+    def __init__(self, model: PerfModel, *, alpha: float = 0.3):
+        self.estimator = OnlineEstimator(model, alpha=alpha)
+
+    @property
+    def model(self) -> PerfModel:
+        return self.estimator.model
+
+    def share(self, batch_tokens: int) -> float:
+        return self.model.optimal_share(batch_tokens)
+
+
+POLICY_NAMES = ("writescope", "all_transfer", "all_cpu", "fixed_half", "monolithic")
+
+
+def make_policy(name: str, model: PerfModel | None = None) -> Policy:
+    """A policy by name; `writescope` needs the calibrated model."""
+    if name == "writescope":
+        if model is None:
+            raise ValueError("the writescope policy needs a PerfModel (calibrate first)")
+        return WriteScopePolicy(model)
+    fixed = {"all_transfer": 0.0, "all_cpu": 1.0, "fixed_half": 0.5}
+    if name in fixed:
+        return FixedSharePolicy(name, fixed[name])
+    if name == "monolithic":
+        return MonolithicPolicy()
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
