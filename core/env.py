@@ -43,4 +43,10 @@ TRITON_INTERPRET = EnvVar(
     "1 to interpret, unset or 0 to compile for the GPU",
 )
 
-ALL = (CPU_VARIANT, NUM_THREADS, TRITON_INTERPRET)
+CACHE_DIR = EnvVar(
+    "WRITESCOPE_CACHE_DIR",
+    "Where calibration results are cached (default: ~/.cache/writescope).",
+    "a writable directory",
+)
+
+ALL = (CPU_VARIANT, NUM_THREADS, TRITON_INTERPRET, CACHE_DIR)

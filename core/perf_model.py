@@ -9,6 +9,7 @@ For L tokens of KV outside the GPU window and a CPU share r:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 
@@ -56,9 +57,10 @@ class PerfModel:
 class OnlineEstimator:
     """Corrects a PerfModel from measured step times.
 
-    A follows an EWMA of the measured CPU seconds per token. B changes only when transfers run
-    slower than the model by more than `slowdown_threshold` (contention, e.g. expert weights on the
-    same PCIe link), then follows the EWMA too; faster transfers bring it back the same way.
+    A follows an EWMA of the measured CPU seconds per token. B is left alone while transfers run
+    as modelled (noise within `slowdown_threshold`); once they run slower or faster than that
+    (contention, e.g. expert weights on the same PCIe link, or its end), B follows the EWMA until
+    it agrees with the measurements within `settled_tolerance` again.
     With weight alpha, after n observations the remaining error of a step change is (1 - alpha)^n
     of it: alpha = 0.3 leaves under 5% after 9 observations.
     """
@@ -66,6 +68,8 @@ class OnlineEstimator:
     model: PerfModel
     alpha: float = 0.3
     slowdown_threshold: float = 0.15
+    settled_tolerance: float = 0.02
+    tracking_transfer: bool = False
 
     def __post_init__(self):
         if not 0 < self.alpha <= 1:
@@ -82,10 +86,12 @@ class OnlineEstimator:
         if per_token is None:
             return
         b = self.model.transfer_s_per_token
-        slower = per_token > b * (1 + self.slowdown_threshold)
-        recovering = per_token < b / (1 + self.slowdown_threshold)
-        if slower or recovering:
+        deviation = abs(per_token / b - 1) if b > 0 else math.inf
+        if deviation > self.slowdown_threshold:
+            self.tracking_transfer = True
+        if self.tracking_transfer:
             self.model = self.model.with_transfer_rate((1 - self.alpha) * b + self.alpha * per_token)
+            self.tracking_transfer = abs(per_token / self.model.transfer_s_per_token - 1) > self.settled_tolerance
 
     @staticmethod
     def _per_token(num_tokens: int, seconds: float) -> float | None:

@@ -188,8 +188,9 @@ OPS_CASES = {
                       "all tensors must be on one device"),
     "cpu backend off the CPU": (lambda q, k, v: ops.partial_attention(q.to("meta"), k.to("meta"), v.to("meta")),
                                 "the cpu backend takes CPU tensors, got meta"),
-    "triton backend off CUDA": (lambda q, k, v: ops.partial_attention(q.to("meta"), k.to("meta"), v.to("meta"),
-                                                                      backend="triton"), "takes CUDA tensors, got meta"),
+    "triton backend off CUDA": (
+        lambda q, k, v: ops.partial_attention(q.to("meta"), k.to("meta"), v.to("meta"), backend="triton"),
+        "takes CUDA tensors, got meta"),
     "no sources": (lambda q, k, v: ops.multi_source_partial_attention(q[None], []), "at least one KVSource"),
 }
 

@@ -1,0 +1,260 @@
+"""InplaceKVCache: residency fixed at write, integrity after every operation, exact bytes."""
+
+import contextlib
+import hashlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.tolerances import MERGE
+from writescope import ops
+from writescope.block_allocator import BlockAllocator, CapacityError
+from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
+from writescope.kv_format import KVFormat
+from writescope.perf_model import PerfModel
+from writescope.policies import Region, make_policy
+
+GQA = KVFormat(num_layers=2, num_kv_heads=2, head_dim_k=8, head_dim_v=8, block_size=4)
+MLA = KVFormat(num_layers=2, num_kv_heads=1, head_dim_k=12, head_dim_v=8, block_size=4, v_in_k=True)
+
+
+def make_cache(fmt=GQA, policy=None, **overrides):
+    config = {"compute_blocks_per_shard": 24, "transfer_blocks": 40, "max_seqs": 4, "pingpong_blocks": 3,
+              "num_shards": 2, "window_tokens": 8, **overrides}
+    return InplaceKVCache(CacheConfig(fmt, **config), policy or make_policy("writescope", PerfModel(2e-7, 1e-7)))
+
+
+class Shadow:
+    """What was written, per sequence and layer, in token order: the independent record."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.tokens = {}  # seq -> layer -> list of per-array [num_kv_heads, n, dim] tensors
+        self.checksums = {}  # (region, shard, block) -> digest of its bytes in every layer
+
+    def random_arrays(self, n):
+        fmt = self.cache.config.format
+        return [torch.randn(fmt.num_kv_heads, n, d).to(fmt.torch_dtype) for d in fmt.stored_dims]
+
+    def admit(self, seq, prompt_len, max_new):
+        self.cache.admit(seq, prompt_len, max_new)
+        self.tokens[seq] = {}
+        for layer in range(self.cache.config.format.num_layers):
+            arrays = self.random_arrays(prompt_len)
+            self.cache.write_prefill(seq, layer, *arrays)
+            self.tokens[seq][layer] = [arrays]
+
+    def step(self, seqs):
+        for seq in seqs:
+            for layer in range(self.cache.config.format.num_layers):
+                arrays = self.random_arrays(1)
+                self.cache.append(seq, layer, *[a[:, 0] for a in arrays])
+                self.tokens[seq][layer].append(arrays)
+        self.cache.commit(seqs)
+
+    def finish(self, seq):
+        self.cache.finish(seq)
+        del self.tokens[seq]
+        self.checksums = {key: d for key, d in self.checksums.items() if self.owner(key) is not None}
+
+    def owner(self, key):
+        for seq, state in self.cache.seqs.items():
+            if any((p.region, p.shard, p.block) == key for p in state.blocks):
+                return seq
+        return None
+
+    def block_digest(self, placement):
+        cache = self.cache
+        region = cache.compute[placement.shard] if placement.region is Region.CPU_COMPUTE else cache.transfer
+        digest = hashlib.sha256()
+        for array in region.arrays:
+            for layer in range(cache.config.format.num_layers):
+                block = array[layer, :, placement.block] if placement.region is Region.CPU_COMPUTE \
+                    else array[layer, placement.block]
+                digest.update(block.contiguous().view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()
+
+    def check(self):
+        self.cache.check_integrity()
+        for seq, layers in self.tokens.items():
+            for layer, chunks in layers.items():
+                expected = [torch.cat([c[i] for c in chunks], dim=1) for i in range(len(chunks[0]))]
+                got = self.cache.sequence_kv(seq, layer)
+                for e, g in zip(expected, got, strict=True):
+                    assert torch.equal(e, g), f"sequence {seq} layer {layer}: bytes read back differ"
+        for state in self.cache.seqs.values():
+            for p in state.blocks:
+                key = (p.region, p.shard, p.block)
+                digest = self.block_digest(p)
+                assert self.checksums.setdefault(key, digest) == digest, f"placed block {key} changed"
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("admit"), st.integers(1, 30), st.integers(0, 40)),
+        st.tuples(st.just("step"), st.integers(1, 12), st.just(0)),
+        st.tuples(st.just("finish"), st.integers(0, 3), st.just(0)),
+        st.tuples(st.just("share"), st.floats(1e-8, 1e-5), st.just(0)),
+    ),
+    max_size=25,
+)
+
+
+@pytest.mark.parametrize("fmt", [GQA, MLA], ids=["gqa", "mla"])
+@settings(max_examples=30, deadline=None)
+@given(ops_list=operations)
+def test_random_interleavings_keep_every_invariant(fmt, ops_list):
+    with make_cache(fmt) as cache:
+        shadow = Shadow(cache)
+        device_bytes = cache.device_bytes()
+        device_ptrs = [t.data_ptr() for t in [*cache.window, *cache.pingpong]]
+        next_id = 0
+        for op, x, y in ops_list:
+            live = list(cache.seqs)
+            if op == "admit":
+                with contextlib.suppress(CapacityError):
+                    shadow.admit(next_id, x, y)
+                next_id += 1
+            elif op == "step" and live:
+                for _ in range(x):
+                    ready = [s for s in live if cache.seqs[s].num_tokens < cache.seqs[s].max_tokens]
+                    if ready:
+                        shadow.step(ready)
+            elif op == "finish" and live:
+                shadow.finish(live[x % len(live)])
+            elif op == "share":  # r* changes: the CPU rate moved
+                cache.policy.estimator.model = cache.policy.model.with_cpu_rate(x)
+            shadow.check()
+        assert cache.device_bytes() == device_bytes  # GPU memory does not grow with the sequences
+        assert [t.data_ptr() for t in [*cache.window, *cache.pingpong]] == device_ptrs
+
+
+def test_refused_admission_writes_nothing():
+    with make_cache(compute_blocks_per_shard=2, transfer_blocks=2, num_shards=1) as cache:
+        cache.admit("a", 12, 4)  # 16 tokens: 4 blocks of 4, all the capacity
+        free, slots = cache.free_blocks(), list(cache._free_slots)
+        with pytest.raises(CapacityError, match="needs 1 blocks.*0 are free"):
+            cache.admit("b", 4, 0)
+        assert "b" not in cache.seqs and cache.free_blocks() == free and cache._free_slots == slots
+        cache.check_integrity()
+
+
+def test_slots_run_out_with_a_clear_error():
+    with make_cache(max_seqs=1) as cache:
+        cache.admit("a", 3, 1)
+        with pytest.raises(CapacityError, match="all 1 sequence slots"):
+            cache.admit("b", 3, 1)
+
+
+def test_bad_writes_are_refused():
+    with make_cache() as cache:
+        cache.admit("a", 5, 3)
+        with pytest.raises(ValueError, match=r"k must be \[num_kv_heads, tokens, head_dim\] = \[2, 5, 8\]"):
+            cache.write_prefill("a", 0, torch.zeros(2, 4, 8).bfloat16(), torch.zeros(2, 4, 8).bfloat16())
+        with pytest.raises(ValueError, match="dtype"):
+            cache.write_prefill("a", 0, torch.zeros(2, 5, 8), torch.zeros(2, 5, 8))
+        with pytest.raises(ValueError, match="layer 2 is outside"):
+            cache.write_prefill("a", 2, torch.zeros(2, 5, 8).bfloat16(), torch.zeros(2, 5, 8).bfloat16())
+        with pytest.raises(ValueError, match="prefilled in every layer"):
+            cache.append("a", 0, torch.zeros(2, 8).bfloat16(), torch.zeros(2, 8).bfloat16())
+        with pytest.raises(ValueError, match="unknown sequence"):
+            cache.finish("z")
+
+
+@pytest.mark.parametrize("fmt", [GQA, MLA], ids=["gqa", "mla"])
+def test_regions_attended_and_merged_equal_attention_over_the_sequence(fmt):
+    """compute shards (CPU kernel) + window and ping-pong chunks (device side) merge to the whole."""
+    with make_cache(fmt, make_policy("fixed_half")) as cache:
+        shadow = Shadow(cache)
+        shadow.admit("a", 29, 40)
+        shadow.admit("b", 3, 40)
+        for _ in range(21):
+            shadow.step(["a", "b"])
+        seqs, layer = ["a", "b"], 1
+        q = torch.randn(2, 4, fmt.head_dim_k).to(fmt.torch_dtype)
+        sources = [cache.compute_source(layer, seqs, shard) for shard in range(2)]
+        cpu = [ops.multi_source_partial_attention(q, [s], backend="cpu") for s in sources]
+        # Each chunk is valid until the next one refills the buffer: attend it as it comes.
+        device = [ops.multi_source_partial_attention(q, [chunk], backend="torch")
+                  for chunk in cache.transfer_chunks(layer, seqs)]
+        assert len(device) >= 2  # more transfer blocks than one ping-pong buffer holds
+        window = ops.multi_source_partial_attention(q, [cache.window_source(layer, seqs)], backend="torch")
+        parts = [*cpu, *device, window]
+        out, lse = ops.merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+        for i, seq in enumerate(seqs):
+            arrays = cache.sequence_kv(seq, layer)
+            v = arrays[0][..., : fmt.head_dim_v] if fmt.v_in_k else arrays[1]
+            ref_out, ref_lse = ops.partial_attention(q[i], arrays[0], v, backend="torch")
+            torch.testing.assert_close(out[i], ref_out, **MERGE)
+            torch.testing.assert_close(lse[i], ref_lse, **MERGE)
+
+
+def test_placed_share_follows_r_star_and_placed_blocks_never_move():
+    model = PerfModel(2e-7, 1e-7)  # r* = 1/3 without fixed costs
+    with make_cache(policy=make_policy("writescope", model), compute_blocks_per_shard=200,
+                    transfer_blocks=400) as cache:
+        shadow = Shadow(cache)
+        shadow.admit("a", 40, 1500)
+        for _ in range(6):
+            for _ in range(64):
+                shadow.step(["a"])
+            cpu_tokens = sum(4 for p in cache.seqs["a"].blocks if p.region is Region.CPU_COMPUTE)
+            total = len(cache.seqs["a"].blocks) * 4
+            assert abs(cpu_tokens - model.optimal_share(cache.spilled_tokens()) * total) <= 4
+        shadow.check()
+        # r* changes (the CPU got 4x faster): only future blocks follow, placed ones stay put.
+        before = list(cache.seqs["a"].blocks)
+        cache.policy.estimator.model = model.with_cpu_rate(0.5e-7)
+        for _ in range(256):
+            shadow.step(["a"])
+        assert cache.seqs["a"].blocks[: len(before)] == before
+        new = cache.seqs["a"].blocks[len(before):]
+        assert sum(p.region is Region.CPU_COMPUTE for p in new) / len(new) > 0.6  # r* is now 2/3
+        shadow.check()
+
+
+def test_transfer_chunks_copy_spans_and_record_their_time():
+    with make_cache(policy=make_policy("all_transfer"), pingpong_blocks=4) as cache:
+        shadow = Shadow(cache)
+        shadow.admit("a", 24, 0)
+        lens = [int(chunk.seq_lens[0]) for chunk in cache.transfer_chunks(0, ["a"])]
+        assert lens == [16, 8]
+        assert cache.last_transfer_tokens == 24 and cache.last_transfer_s > 0
+
+
+def test_block_allocator_reuses_freed_blocks_lowest_first():
+    alloc = BlockAllocator(6)
+    first = alloc.allocate(4)
+    assert first == [0, 1, 2, 3]
+    alloc.free([1, 2])
+    assert alloc.allocate(3) == [1, 2, 4]
+    alloc.check_integrity()
+    with pytest.raises(CapacityError, match="asked for 2 blocks, 1 of 6 are free"):
+        alloc.allocate(2)
+    with pytest.raises(ValueError, match="block 5 is not allocated"):
+        alloc.free([5])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("window_tokens", 6, "multiple of block_size"),
+    ("max_seqs", 0, "max_seqs must be >= 1"),
+    ("transfer_blocks", -1, "transfer_blocks must be >= 0"),
+])
+def test_cache_config_validation(field, value, message):
+    config = {"compute_blocks_per_shard": 4, "transfer_blocks": 4, "max_seqs": 2, "pingpong_blocks": 2,
+              "window_tokens": 8, field: value}
+    with pytest.raises(ValueError, match=message):
+        CacheConfig(GQA, **config)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("num_layers", 0, "num_layers must be a positive integer"),
+    ("dtype", "int8", "dtype must be one of"),
+    ("head_dim_v", 20, "v_in_k needs head_dim_v"),
+])
+def test_kv_format_validation(field, value, message):
+    fields = {**MLA.to_dict(), field: value}
+    with pytest.raises(ValueError, match=message):
+        KVFormat(**fields)
