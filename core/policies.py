@@ -33,6 +33,9 @@ class Policy(ABC):
     def share(self, batch_tokens: int) -> float:
         """The CPU share r wanted for a batch holding batch_tokens of KV outside the GPU window."""
 
+    def observe_step(self, cpu_tokens: int, cpu_s: float, transfer_tokens: int, transfer_s: float) -> None:
+        """Measured times of one layer's step; fixed policies ignore them."""
+
     def route_blocks(self, cpu_tokens: int, total_tokens: int, new_block_tokens: list[int],
                      batch_tokens: int) -> list[Region]:
         """Regions of a sequence's next sealed blocks, in order.
@@ -82,6 +85,10 @@ class WriteScopePolicy(Policy):
 
     def share(self, batch_tokens: int) -> float:
         return self.model.optimal_share(batch_tokens)
+
+    def observe_step(self, cpu_tokens: int, cpu_s: float, transfer_tokens: int, transfer_s: float) -> None:
+        self.estimator.observe_cpu(cpu_tokens, cpu_s)
+        self.estimator.observe_transfer(transfer_tokens, transfer_s)
 
 
 POLICY_NAMES = ("writescope", "all_transfer", "all_cpu", "fixed_half", "monolithic")

@@ -93,3 +93,16 @@ def test_unknown_policy_lists_the_known_ones():
         make_policy("round_robin")
     with pytest.raises(ValueError, match="needs a PerfModel"):
         make_policy("writescope")
+
+
+def test_writescope_policy_learns_from_observed_steps_and_fixed_ones_do_not():
+    model = PerfModel(1e-7, 1e-7)
+    policy = make_policy("writescope", model)
+    before = policy.share(100_000)
+    for _ in range(20):
+        policy.observe_step(50_000, 50_000 * 4e-7, 50_000, 50_000 * 1e-7)  # the CPU is 4x slower than thought
+    assert policy.share(100_000) < before
+    assert abs(policy.model.cpu_s_per_token - 4e-7) < 0.01 * 4e-7
+    fixed = make_policy("fixed_half")
+    fixed.observe_step(50_000, 1.0, 50_000, 1.0)
+    assert fixed.share(100_000) == 0.5
