@@ -35,6 +35,7 @@ class Policy(ABC):
 
     def observe_step(self, cpu_tokens: int, cpu_s: float, transfer_tokens: int, transfer_s: float) -> None:
         """Measured times of one layer's step; fixed policies ignore them."""
+        return None
 
     def route_blocks(self, cpu_tokens: int, total_tokens: int, new_block_tokens: list[int],
                      batch_tokens: int) -> list[Region]:
