@@ -254,12 +254,14 @@ class InplaceKVCache:
                  for s in seq_ids]
         return KVSource(k, v, *self._table(lists, k.device))
 
-    def window_source(self, layer: int, seq_ids) -> KVSource:
-        """The window tokens of seq_ids: each sequence's slot is one block of window_tokens."""
+    def window_source(self, layer: int, seq_ids, pending_tokens: int = 0) -> KVSource:
+        """The window tokens of seq_ids: each sequence's slot is one block of window_tokens.
+        pending_tokens counts tokens appended in this step but not committed yet."""
         k = self.window[0][layer]  # [max_seqs, num_kv_heads, window_tokens, head_dim_k]
         v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else self.window[1][layer]
         slots = torch.tensor([[self._state(s).slot] for s in seq_ids], dtype=torch.int32, device=k.device)
-        lens = torch.tensor([self._state(s).window_len for s in seq_ids], dtype=torch.int32, device=k.device)
+        lens = torch.tensor([self._state(s).window_len + pending_tokens for s in seq_ids], dtype=torch.int32,
+                            device=k.device)
         return KVSource(k, v, slots.reshape(len(seq_ids), 1), lens)
 
     def transfer_chunks(self, layer: int, seq_ids) -> Iterator[KVSource]:
@@ -288,6 +290,22 @@ class InplaceKVCache:
             k = self.pingpong[0][buffer]
             v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else self.pingpong[1][buffer]
             yield KVSource(k, v, *self._table(lists, k.device))
+
+    def shipped_compute_source(self, layer: int, seq_ids, shard: int = 0) -> KVSource:
+        """The monolithic baseline: the cpu_compute blocks of seq_ids copied whole to the device from
+        unpinned memory (one gather and one pageable copy per step), as a paged source there."""
+        source = self.compute_source(layer, seq_ids, shard)
+        blocks = sorted({int(b) for row, n in zip(source.block_table, source.seq_lens, strict=True)
+                         for b in row[: int(n) // self.block_size]})
+        index = torch.tensor(blocks, dtype=torch.long)
+        device = self.window[0].device
+        k = source.k_cache.index_select(0, index).to(device)
+        v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else \
+            source.v_cache.index_select(0, index).to(device)
+        remap = {block: i for i, block in enumerate(blocks)}
+        lists = [[remap[int(b)] for b in row[: int(n) // self.block_size]]
+                 for row, n in zip(source.block_table, source.seq_lens, strict=True)]
+        return KVSource(k, v, *self._table(lists, device))
 
     def sequence_kv(self, seq_id, layer: int) -> list[torch.Tensor]:
         """A copy of a sequence's stored arrays of one layer in logical token order: [num_kv_heads,

@@ -1,0 +1,393 @@
+"""The engine: a MoE model decoding on InplaceKVCache, one task graph per batch shape.
+
+    engine = Engine.from_pretrained("tiny-qwen3-moe" or "/path/to/checkpoint", policy="writescope")
+    outputs = engine.generate(["a prompt", [1, 2, 3]], max_new_tokens=32)
+    for event in engine.generate_stream(prompts, max_new_tokens=32): ...
+    engine.shutdown()
+
+Sequences join and leave the running batch between steps (continuous batching): a request is
+admitted (capacity reserved, or it waits while others run), prefilled one sequence at a time
+straight into its KV regions, then decoded with the rest of the batch until EOS, a stop string or
+token, or max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from writescope import ops
+from writescope.block_allocator import CapacityError
+from writescope.executor import make_executor
+from writescope.graph import DecodeGraph, build_decode_graph
+from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
+from writescope.models.checkpoint import load_config, load_weights
+from writescope.models.config import ModelConfig
+from writescope.models.layers import causal_attention
+from writescope.models.moe_model import MoEModel
+from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
+from writescope.policies import POLICY_NAMES, Policy, make_policy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]  # the new tokens
+    text: str
+    finish_reason: str  # "eos", "stop" or "length"
+    prompt_tokens: int
+    logits: list[torch.Tensor] | None = None  # [vocab] float32 per new token, when asked for
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    index: int  # which prompt
+    token_id: int
+    text: str  # the text this token adds
+    finish_reason: str | None  # set on a sequence's last event
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    stop_strings: tuple[str, ...]
+    stop_ids: frozenset[int]
+    generator: torch.Generator | None
+    keep_logits: bool = False
+    logits: list[torch.Tensor] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+
+    @property
+    def seq_id(self):
+        return ("request", self.index, id(self))
+
+
+@dataclass
+class _Step:
+    requests: list[_Request]
+    seq_ids: list
+    tokens: torch.Tensor  # [batch]
+    positions: torch.Tensor  # [batch]
+
+
+def _torch_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype!r} is not supported; allowed: {', '.join(names)}")
+    return names[dtype]
+
+
+class Engine:
+    def __init__(self, model: MoEModel, tokenizer, *, policy: Policy, cache: InplaceKVCache, executor,
+                 max_batch_size: int, max_seq_len: int):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.cache = cache
+        self.executor = executor
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self._graphs: dict[int, DecodeGraph] = {}
+        self._device_backend = "triton" if model.device.type == "cuda" else "cpu"
+        self.stats = {"steps": 0, "decode_s": 0.0, "tokens": 0}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, path_or_preset: str, *, policy: str = "writescope", executor: str = "local",
+                        dtype=None, window_tokens: int = 256, max_batch_size: int = 8, max_seq_len: int = 4096,
+                        block_size: int = 16, device: str = "cpu", hot_experts: int | None = None,
+                        num_shards: int = 1, pingpong_blocks: int = 256, seed: int = 0) -> Engine:
+        """A preset name (PRESETS) or a local Hugging Face checkpoint directory."""
+        if policy not in POLICY_NAMES:
+            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}")
+        torch_dtype = _torch_dtype(dtype)
+        if os.path.isdir(path_or_preset):
+            config = load_config(path_or_preset)
+            torch_dtype = torch_dtype or _torch_dtype(config.dtype if config.dtype in ("float32", "bfloat16",
+                                                                                     "float16") else "float32")
+            weights = load_weights(path_or_preset, config, torch_dtype)
+            tokenizer = _load_tokenizer(path_or_preset)
+        elif path_or_preset in PRESETS:
+            config = preset_config(path_or_preset)
+            torch_dtype = torch_dtype or torch.float32
+            weights = preset_weights(config, torch_dtype, seed)
+            tokenizer = byte_level_tokenizer()
+        else:
+            raise ValueError(f"{path_or_preset!r} is neither a checkpoint directory nor a preset; "
+                             f"presets: {', '.join(PRESETS)}")
+        weights = {name: w.to(device) for name, w in weights.items()}
+        model = MoEModel(config, weights, device=device, hot_experts=hot_experts)
+        kv_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
+        fmt = config.kv_format(kv_dtype, block_size)
+        blocks = max_batch_size * -(-max_seq_len // block_size)
+        cache_config = CacheConfig(fmt, compute_blocks_per_shard=-(-blocks // num_shards), transfer_blocks=blocks,
+                                   max_seqs=max_batch_size, pingpong_blocks=min(pingpong_blocks, max(blocks, 1)),
+                                   num_shards=num_shards, window_tokens=window_tokens, device=device)
+        policy_obj = make_policy(policy, _calibrated_model(config, fmt, device) if policy == "writescope" else None)
+        cache = InplaceKVCache(cache_config, policy_obj)
+        return cls(model, tokenizer, policy=policy_obj, cache=cache, executor=make_executor(executor),
+                   max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+        self.cache.close()
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int | None = None, stop=None, return_logits: bool = False) -> list[GenerationOutput]:
+        requests = self._make_requests(prompts, max_new_tokens, temperature, top_p, seed, stop)
+        for request in requests:
+            request.keep_logits = return_logits
+        for _ in self._run(requests):
+            pass
+        return [GenerationOutput(r.tokens, r.text, r.finish_reason, len(r.prompt), r.logits if return_logits else None)
+                for r in requests]
+
+    def generate_stream(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
+                        seed: int | None = None, stop=None) -> Iterator[StreamEvent]:
+        requests = self._make_requests(prompts, max_new_tokens, temperature, top_p, seed, stop)
+        yield from self._run(requests)
+
+    def _make_requests(self, prompts, max_new_tokens, temperature, top_p, seed, stop) -> list[_Request]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("prompts is empty: pass one or more strings or lists of token ids")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+        stop = [stop] if isinstance(stop, str | int) else list(stop or [])
+        stop_strings = tuple(s for s in stop if isinstance(s, str))
+        stop_ids = frozenset(s for s in stop if isinstance(s, int))
+        requests = []
+        for index, prompt in enumerate(prompts):
+            ids = self._encode(prompt, index)
+            if len(ids) + max_new_tokens > self.max_seq_len:
+                raise ValueError(f"prompt {index} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it "
+                                 f"exceeds max_seq_len={self.max_seq_len}")
+            generator = None
+            if temperature > 0:
+                generator = torch.Generator().manual_seed((0 if seed is None else seed) * 1_000_003 + index)
+            requests.append(_Request(index, ids, max_new_tokens, temperature, top_p, stop_strings, stop_ids,
+                                     generator))
+        return requests
+
+    def _encode(self, prompt, index) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer.json: pass prompts as lists of token ids")
+            ids = self.tokenizer.encode(prompt).ids
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {index} is empty")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {index} holds token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
+        return ids
+
+    def _run(self, requests: list[_Request]) -> Iterator[StreamEvent]:
+        waiting, running = deque(requests), []
+        try:
+            while waiting or running:
+                while waiting and len(running) < self.max_batch_size:
+                    request = waiting[0]
+                    try:
+                        self.cache.admit(request.seq_id, len(request.prompt), request.max_new_tokens)
+                    except CapacityError:
+                        if not running:
+                            raise
+                        break
+                    waiting.popleft()
+                    yield self._accept(request, self._prefill(request))
+                    if request.finish_reason is None:
+                        running.append(request)
+                    else:
+                        self.cache.finish(request.seq_id)
+                if running:
+                    for request, token in zip(running, self._decode_step(running), strict=True):
+                        yield self._accept(request, token)
+                    for request in [r for r in running if r.finish_reason is not None]:
+                        self.cache.finish(request.seq_id)
+                        running.remove(request)
+        finally:
+            for request in running:
+                if request.seq_id in self.cache.seqs:
+                    self.cache.finish(request.seq_id)
+
+    def _accept(self, request: _Request, token: int) -> StreamEvent:
+        request.tokens.append(token)
+        added = self._decode_text(request)
+        if token in self.config.eos_token_ids:
+            request.finish_reason = "eos"
+        elif token in request.stop_ids:
+            request.finish_reason = "stop"
+        elif any(s in request.text for s in request.stop_strings):
+            request.text = request.text[: min(request.text.find(s) for s in request.stop_strings if s in request.text)]
+            request.finish_reason = "stop"
+        elif len(request.tokens) >= request.max_new_tokens:
+            request.finish_reason = "length"
+        return StreamEvent(request.index, token, added, request.finish_reason)
+
+    def _decode_text(self, request: _Request) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(request.tokens)
+        added, request.text = text[len(request.text):], text
+        return added
+
+    # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def _prefill(self, request: _Request) -> int:
+        """Full causal attention over the prompt, each layer's KV written straight to its regions."""
+        model, device = self.model, self.model.device
+        ids = torch.tensor(request.prompt, device=device)
+        positions = torch.arange(len(request.prompt), device=device)
+        hidden = model.embed(ids)
+        for layer in range(self.config.num_layers):
+            q, stored = model.attention_inputs(layer, hidden, positions)
+            self.cache.write_prefill(request.seq_id, layer, *[s.transpose(0, 1).contiguous() for s in stored])
+            v = stored[0][..., : self.config.decode_head_dim_v] if self.config.is_mla else stored[1]
+            attention = causal_attention(q, stored[0], v, self.config.attention_scale)
+            hidden = model.feed_forward(layer, model.attention_output(layer, attention, hidden))
+        return self._sample(request, model.logits(hidden[-1:])[0])
+
+    # ------------------------------------------------------------------ decode
+    @torch.no_grad()
+    def _decode_step(self, running: list[_Request]) -> list[int]:
+        began = time.perf_counter()
+        seq_ids = [r.seq_id for r in running]
+        device = self.model.device
+        step = _Step(running, seq_ids, torch.tensor([r.tokens[-1] for r in running], device=device),
+                     torch.tensor([self.cache.seqs[s].num_tokens for s in seq_ids], device=device))
+        graph = self._graphs.setdefault(len(running), build_decode_graph(self.config.num_layers, len(running)))
+        values = self.executor.run(graph, self._bindings(), step)
+        logits = values["logits"]
+        tokens = [self._sample(r, logits[i]) for i, r in enumerate(running)]
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(running)
+        self.stats["decode_s"] += time.perf_counter() - began
+        return tokens
+
+    def _bindings(self):
+        return {"embed": self._embed, "qkv": self._qkv, "window_write": self._window_write,
+                "cpu_partial": self._cpu_partial, "device_partial": self._device_partial, "merge": self._merge,
+                "out_proj": self._out_proj, "ffn": self._ffn, "logits": self._logits, "commit": self._commit}
+
+    def _embed(self, step, node):
+        return self.model.embed(step.tokens)
+
+    def _qkv(self, step, node, hidden):
+        return self.model.attention_inputs(node.layer, hidden, step.positions)
+
+    def _window_write(self, step, node, qkv):
+        _, stored = qkv
+        for i, seq_id in enumerate(step.seq_ids):
+            self.cache.append(seq_id, node.layer, *[s[i] for s in stored])
+
+    def _cpu_partial(self, step, node, qkv):
+        """Partial over cpu_compute, on the C++ kernel: (out, lse, tokens, seconds), or None."""
+        if self.policy.ships_cpu_compute:
+            return None
+        q = qkv[0].to("cpu")
+        began = time.perf_counter()
+        parts = []
+        for shard in range(self.cache.config.num_shards):
+            source = self.cache.compute_source(node.layer, step.seq_ids, shard)
+            parts.append((ops.multi_source_partial_attention(q, [source], scale=self.config.attention_scale,
+                                                             backend="cpu"), int(source.seq_lens.sum())))
+        out, lse = _merge_all([p[0] for p in parts])
+        return out, lse, sum(p[1] for p in parts), time.perf_counter() - began
+
+    def _device_partial(self, step, node, qkv, _written):
+        """Partial over the window (with this step's token), the ping-pong chunks of cpu_transfer and,
+        for the monolithic policy, the cpu_compute KV shipped whole."""
+        q = qkv[0]
+        partials = [ops.multi_source_partial_attention(
+            q, [self.cache.window_source(node.layer, step.seq_ids, pending_tokens=1)],
+            scale=self.config.attention_scale, backend=self._device_backend)]
+        for chunk in self.cache.transfer_chunks(node.layer, step.seq_ids):
+            partials.append(ops.multi_source_partial_attention(q, [chunk], scale=self.config.attention_scale,
+                                                               backend=self._device_backend))
+        transfer_tokens, transfer_s = self.cache.last_transfer_tokens, self.cache.last_transfer_s
+        if self.policy.ships_cpu_compute:
+            for shard in range(self.cache.config.num_shards):
+                source = self.cache.shipped_compute_source(node.layer, step.seq_ids, shard)
+                partials.append(ops.multi_source_partial_attention(q, [source], scale=self.config.attention_scale,
+                                                                   backend=self._device_backend))
+        out, lse = _merge_all(partials)
+        return out, lse, transfer_tokens, transfer_s
+
+    def _merge(self, step, node, cpu, device):
+        out, lse, transfer_tokens, transfer_s = device
+        if cpu is None:
+            return out
+        cpu_out, cpu_lse, cpu_tokens, cpu_s = cpu
+        self.policy.observe_step(cpu_tokens, cpu_s, transfer_tokens, transfer_s)
+        merged, _ = _merge_all([(cpu_out.to(out.device), cpu_lse.to(out.device)), (out, lse)])
+        return merged
+
+    def _out_proj(self, step, node, attention, hidden):
+        return self.model.attention_output(node.layer, attention, hidden)
+
+    def _ffn(self, step, node, hidden):
+        return self.model.feed_forward(node.layer, hidden)
+
+    def _logits(self, step, node, hidden):
+        return self.model.logits(hidden)
+
+    def _commit(self, step, node, logits):
+        self.cache.commit(step.seq_ids)
+        return logits
+
+    def _sample(self, request: _Request, logits: torch.Tensor) -> int:
+        # logits [vocab] float32
+        if request.keep_logits:
+            request.logits.append(logits.detach().cpu())
+        if request.temperature == 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float().cpu() / request.temperature, dim=-1)
+        if request.top_p < 1:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_probs, dim=0) - sorted_probs < request.top_p
+            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
+        return int(torch.multinomial(probs / probs.sum(), 1, generator=request.generator))
+
+
+def _merge_all(partials):
+    if len(partials) == 1:
+        return partials[0]
+    return ops.merge_partials(torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]))
+
+
+def _load_tokenizer(path: str):
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        log.info("%s has no tokenizer.json: prompts must be token ids", path)
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(file)
+
+
+def _calibrated_model(config: ModelConfig, fmt, device: str):
+    from writescope.calibration import AttentionShape, calibrate
+
+    return calibrate(AttentionShape(config.num_q_heads, fmt), device=device)

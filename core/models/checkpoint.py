@@ -1,0 +1,121 @@
+"""Loading a local Hugging Face checkpoint directory: config.json, safetensors (one file, or shards
+with model.safetensors.index.json), tokenizer.json when present. Every expected weight is checked
+by name and shape; what is missing or mismatched is a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from writescope.models.config import ModelConfig
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight the model reads, by its Hugging Face name."""
+    h = cfg.hidden_size
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for layer in range(cfg.num_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes.update(_attention_shapes(cfg, p + "self_attn."))
+        shapes.update(_ffn_shapes(cfg, layer, p))
+    return shapes
+
+
+def _attention_shapes(cfg, p):
+    if cfg.is_mla:
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        shapes = {p + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.hidden_size),
+                  p + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
+                  p + "kv_b_proj.weight": (cfg.num_q_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                  p + "o_proj.weight": (cfg.hidden_size, cfg.num_q_heads * cfg.v_head_dim)}
+        if cfg.q_lora_rank is None:
+            shapes[p + "q_proj.weight"] = (cfg.num_q_heads * qk, cfg.hidden_size)
+        else:
+            shapes.update({p + "q_a_proj.weight": (cfg.q_lora_rank, cfg.hidden_size),
+                           p + "q_a_layernorm.weight": (cfg.q_lora_rank,),
+                           p + "q_b_proj.weight": (cfg.num_q_heads * qk, cfg.q_lora_rank)})
+        return shapes
+    d = cfg.head_dim
+    shapes = {p + "q_proj.weight": (cfg.num_q_heads * d, cfg.hidden_size),
+              p + "k_proj.weight": (cfg.num_kv_heads * d, cfg.hidden_size),
+              p + "v_proj.weight": (cfg.num_kv_heads * d, cfg.hidden_size),
+              p + "o_proj.weight": (cfg.hidden_size, cfg.num_q_heads * d)}
+    if cfg.arch == "qwen3_moe":
+        shapes.update({p + "q_norm.weight": (d,), p + "k_norm.weight": (d,)})
+    return shapes
+
+
+def _mlp_shapes(p, hidden, inter, names=("gate_proj", "up_proj", "down_proj")):
+    gate, up, down = names
+    return {f"{p}{gate}.weight": (inter, hidden), f"{p}{up}.weight": (inter, hidden), f"{p}{down}.weight": (hidden, inter)}
+
+
+def _ffn_shapes(cfg, layer, p):
+    h = cfg.hidden_size
+    if not cfg.is_moe_layer(layer):
+        return _mlp_shapes(p + "mlp.", h, cfg.intermediate_size)
+    if cfg.arch == "mixtral":
+        shapes = {p + "block_sparse_moe.gate.weight": (cfg.num_experts, h)}
+        for e in range(cfg.num_experts):
+            shapes.update(_mlp_shapes(f"{p}block_sparse_moe.experts.{e}.", h, cfg.moe_intermediate_size,
+                                      ("w1", "w3", "w2")))
+        return shapes
+    shapes = {p + "mlp.gate.weight": (cfg.num_experts, h)}
+    for e in range(cfg.num_experts):
+        shapes.update(_mlp_shapes(f"{p}mlp.experts.{e}.", h, cfg.moe_intermediate_size))
+    if cfg.n_shared_experts:
+        shapes.update(_mlp_shapes(p + "mlp.shared_experts.", h, cfg.moe_intermediate_size * cfg.n_shared_experts))
+    return shapes
+
+
+def load_config(path: str) -> ModelConfig:
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"{path!r} is not a checkpoint directory: config.json is missing")
+    with open(config_path) as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+def weight_files(path: str) -> list[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [n for n in names if not os.path.isfile(os.path.join(path, n))]
+        if missing:
+            raise ValueError(f"checkpoint {path!r}: shards named in the index are missing: {missing}")
+        return [os.path.join(path, n) for n in names]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(single):
+        raise ValueError(f"checkpoint {path!r} has no model.safetensors nor model.safetensors.index.json")
+    return [single]
+
+
+def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    expected = expected_shapes(cfg)
+    weights = {}
+    for file in weight_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name in expected:
+                    weights[name] = f.get_tensor(name).to(dtype)
+    check_weights(weights, expected, path)
+    return weights
+
+
+def check_weights(weights, expected, source):
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ValueError(f"checkpoint {source!r} lacks {len(missing)} weights the config needs, e.g. {missing[:3]}")
+    wrong = [(n, tuple(weights[n].shape), s) for n, s in expected.items() if tuple(weights[n].shape) != s]
+    if wrong:
+        name, got, want = wrong[0]
+        raise ValueError(f"checkpoint {source!r}: {name} has shape {got}, the config needs {want} "
+                         f"({len(wrong)} mismatched)")

@@ -1,0 +1,169 @@
+"""The three MoE architectures as one model over named weights (Hugging Face names).
+
+A layer is split into the pieces the decode task graph schedules separately:
+    attention_inputs  norm, q/k/v projections, rope (MLA: the absorbed query) -> q, and the KV to store
+    attention_output  (MLA: latent -> heads) output projection, residual
+    feed_forward      norm, dense MLP or MoE (router, routed + shared experts), residual
+Experts are placed hot (on the engine's device) or cold (computed on the CPU); the result does not
+depend on the placement.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from writescope.models.config import ModelConfig
+from writescope.models.layers import rms_norm, rope_interleaved, rope_inv_freq, rope_rotate_half, swiglu
+
+
+class MoEModel:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], *, device="cpu",
+                 hot_experts: int | None = None):
+        self.config = config
+        self.device = torch.device(device)
+        self.w = weights
+        rope_dim = config.qk_rope_head_dim if config.is_mla else config.head_dim
+        self.inv_freq = rope_inv_freq(rope_dim, config.rope_theta)
+        self.expert_device = self._place_experts(hot_experts)
+        if config.is_mla:
+            self._absorb_mla()
+
+    # ------------------------------------------------------------------ placement
+    def _place_experts(self, hot_experts):
+        """Layer -> expert -> device: the first `hot_experts` of each MoE layer on the engine's device
+        (all when None), the others on the CPU."""
+        placement = {}
+        for layer in range(self.config.num_layers):
+            if not self.config.is_moe_layer(layer):
+                continue
+            hot = self.config.num_experts if hot_experts is None else hot_experts
+            placement[layer] = [self.device if e < hot else torch.device("cpu") for e in range(self.config.num_experts)]
+            for e, device in enumerate(placement[layer]):
+                for name in self._expert_names(layer, e):
+                    self.w[name] = self.w[name].to(device)
+        return placement
+
+    def _absorb_mla(self):
+        cfg = self.config
+        for layer in range(cfg.num_layers):
+            kv_b = self.w[f"model.layers.{layer}.self_attn.kv_b_proj.weight"]
+            kv_b = kv_b.view(cfg.num_q_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+            self.w[f"absorbed.{layer}.w_uk"] = kv_b[:, : cfg.qk_nope_head_dim]  # [heads, nope, latent]
+            self.w[f"absorbed.{layer}.w_uv"] = kv_b[:, cfg.qk_nope_head_dim:]  # [heads, v, latent]
+
+    # ------------------------------------------------------------------ embedding and head
+    def embed(self, token_ids):
+        # token_ids [T] -> [T, hidden]
+        return F.embedding(token_ids, self.w["model.embed_tokens.weight"])
+
+    def logits(self, hidden):
+        # hidden [T, hidden] -> [T, vocab] float32
+        x = rms_norm(hidden, self.w["model.norm.weight"], self.config.rms_norm_eps)
+        head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
+        return F.linear(x, head).float()
+
+    # ------------------------------------------------------------------ attention
+    def attention_inputs(self, layer, hidden, positions):
+        """hidden [T, hidden], positions [T] -> q [T, num_q_heads, decode_head_dim_qk],
+        stored [T, kv_heads, dim] per stored array (K, and V unless V lives inside K)."""
+        x = rms_norm(hidden, self.w[f"model.layers.{layer}.input_layernorm.weight"], self.config.rms_norm_eps)
+        return self._mla_inputs(layer, x, positions) if self.config.is_mla else self._gqa_inputs(layer, x, positions)
+
+    def _gqa_inputs(self, layer, x, positions):
+        cfg, p = self.config, f"model.layers.{layer}.self_attn."
+        tokens = x.shape[0]
+        q = F.linear(x, self.w[p + "q_proj.weight"]).view(tokens, cfg.num_q_heads, cfg.head_dim)
+        k = F.linear(x, self.w[p + "k_proj.weight"]).view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = F.linear(x, self.w[p + "v_proj.weight"]).view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.arch == "qwen3_moe":
+            q = rms_norm(q, self.w[p + "q_norm.weight"], cfg.rms_norm_eps)
+            k = rms_norm(k, self.w[p + "k_norm.weight"], cfg.rms_norm_eps)
+        return rope_rotate_half(q, positions, self.inv_freq), [rope_rotate_half(k, positions, self.inv_freq), v]
+
+    def _mla_inputs(self, layer, x, positions):
+        cfg, p = self.config, f"model.layers.{layer}.self_attn."
+        tokens = x.shape[0]
+        if cfg.q_lora_rank is None:
+            q = F.linear(x, self.w[p + "q_proj.weight"])
+        else:
+            q_a = rms_norm(F.linear(x, self.w[p + "q_a_proj.weight"]), self.w[p + "q_a_layernorm.weight"],
+                           cfg.rms_norm_eps)
+            q = F.linear(q_a, self.w[p + "q_b_proj.weight"])
+        q = q.view(tokens, cfg.num_q_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        latent, k_pe = F.linear(x, self.w[p + "kv_a_proj_with_mqa.weight"]).split(
+            [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        latent = rms_norm(latent, self.w[p + "kv_a_layernorm.weight"], cfg.rms_norm_eps)
+        q_pe = rope_interleaved(q_pe, positions, self.inv_freq)
+        k_pe = rope_interleaved(k_pe[:, None, :], positions, self.inv_freq)
+        # absorbed: q_nope . (W_UK c) == (q_nope W_UK) . c, so the query meets the latent directly
+        q_latent = torch.einsum("thn,hnc->thc", q_nope, self.w[f"absorbed.{layer}.w_uk"])
+        return torch.cat([q_latent, q_pe], dim=-1), [torch.cat([latent[:, None, :], k_pe], dim=-1)]
+
+    def attention_output(self, layer, attention, hidden):
+        """attention [T, num_q_heads, decode_head_dim_v] float32, hidden [T, hidden] -> hidden after attention."""
+        cfg = self.config
+        attention = attention.to(hidden.dtype)
+        if cfg.is_mla:  # latent -> per-head values
+            attention = torch.einsum("thc,hvc->thv", attention, self.w[f"absorbed.{layer}.w_uv"])
+        out = F.linear(attention.reshape(attention.shape[0], -1), self.w[f"model.layers.{layer}.self_attn.o_proj.weight"])
+        return hidden + out
+
+    # ------------------------------------------------------------------ feed-forward
+    def feed_forward(self, layer, hidden):
+        # hidden [T, hidden] -> [T, hidden]
+        p = f"model.layers.{layer}."
+        x = rms_norm(hidden, self.w[p + "post_attention_layernorm.weight"], self.config.rms_norm_eps)
+        if not self.config.is_moe_layer(layer):
+            out = swiglu(x, self.w[p + "mlp.gate_proj.weight"], self.w[p + "mlp.up_proj.weight"],
+                         self.w[p + "mlp.down_proj.weight"])
+        else:
+            out = self._moe(layer, x)
+        return hidden + out
+
+    def _moe(self, layer, x):
+        weights, experts = self._route(layer, x)  # [T, top_k] each
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            token_idx, slot = torch.where(experts == e)
+            device = self.expert_device[layer][e]
+            gate, up, down = (self.w[n] for n in self._expert_names(layer, e))
+            y = swiglu(x[token_idx].to(device), gate, up, down).to(x.device)
+            out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(x.dtype))
+        if self.config.n_shared_experts:
+            p = f"model.layers.{layer}.mlp.shared_experts."
+            out = out + swiglu(x, self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"],
+                               self.w[p + "down_proj.weight"])
+        return out
+
+    def _route(self, layer, x):
+        cfg = self.config
+        gate_name = "block_sparse_moe.gate" if cfg.arch == "mixtral" else "mlp.gate"
+        logits = F.linear(x, self.w[f"model.layers.{layer}.{gate_name}.weight"])
+        if cfg.arch == "deepseek_v2":
+            scores = F.linear(x.float(), self.w[f"model.layers.{layer}.{gate_name}.weight"].float()).softmax(-1)
+            if cfg.topk_method == "group_limited_greedy":
+                scores = self._limit_groups(scores)
+            weights, experts = torch.topk(scores, cfg.top_k, dim=-1, sorted=False)
+            return weights * cfg.routed_scaling_factor, experts
+        probs = torch.softmax(logits.float(), dim=-1)
+        weights, experts = torch.topk(probs, cfg.top_k, dim=-1)
+        if cfg.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), experts
+
+    def _limit_groups(self, scores):
+        cfg = self.config
+        per_group = cfg.num_experts // cfg.n_group
+        group_scores = scores.view(-1, cfg.n_group, per_group).max(dim=-1).values
+        keep = torch.zeros_like(group_scores).scatter_(1, torch.topk(group_scores, cfg.topk_group, dim=-1)[1], 1)
+        mask = keep[:, :, None].expand(-1, -1, per_group).reshape(-1, cfg.num_experts)
+        return scores.masked_fill(mask == 0, 0.0)
+
+    def _expert_names(self, layer, expert):
+        if self.config.arch == "mixtral":
+            p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
+            return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+        p = f"model.layers.{layer}.mlp.experts.{expert}."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"

@@ -1,0 +1,82 @@
+"""Tiny random-weight presets of the three architectures (fixed seed), with a byte-level tokenizer
+built offline: small enough for a 2-core machine, the same code paths as real checkpoints."""
+
+from __future__ import annotations
+
+import torch
+
+from writescope.models.checkpoint import expected_shapes
+from writescope.models.config import ModelConfig
+
+EOS_TOKEN_ID = 256  # bytes are 0..255; then the special tokens
+VOCAB_SIZE = 320
+
+PRESETS = {
+    "tiny-deepseek-v2": {
+        "model_type": "deepseek_v2", "vocab_size": VOCAB_SIZE, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+        "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "v_head_dim": 32, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "eos_token_id": EOS_TOKEN_ID,
+    },
+    "tiny-qwen3-moe": {
+        "model_type": "qwen3_moe", "vocab_size": VOCAB_SIZE, "hidden_size": 128, "intermediate_size": 256,
+        "moe_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+        "head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "eos_token_id": EOS_TOKEN_ID,
+    },
+    "tiny-mixtral": {
+        "model_type": "mixtral", "vocab_size": VOCAB_SIZE, "hidden_size": 128, "intermediate_size": 128,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0,
+        "eos_token_id": EOS_TOKEN_ID,
+    },
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)} (or a checkpoint directory)")
+    return ModelConfig.from_hf(PRESETS[name])
+
+
+def preset_weights(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        if len(shape) == 1:  # norms start at one, as in the reference initialisation
+            weights[name] = torch.ones(shape, dtype=dtype)
+        else:
+            weights[name] = (torch.randn(shape, generator=generator) * 0.06).to(dtype)
+    return weights
+
+
+def byte_level_tokenizer():
+    """A byte-level tokenizer (256 byte tokens, no merges, then <eos>) made offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    assert set(vocab) == set(alphabet)
+    vocab["<eos>"] = EOS_TOKEN_ID
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<eos>"])
+    return tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable characters (what ByteLevel pre-tokenises to)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
