@@ -33,7 +33,8 @@ def _attention_shapes(cfg, p):
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         shapes = {p + "kv_a_proj_with_mqa.weight": (cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.hidden_size),
                   p + "kv_a_layernorm.weight": (cfg.kv_lora_rank,),
-                  p + "kv_b_proj.weight": (cfg.num_q_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
+                  p + "kv_b_proj.weight": (cfg.num_q_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                           cfg.kv_lora_rank),
                   p + "o_proj.weight": (cfg.hidden_size, cfg.num_q_heads * cfg.v_head_dim)}
         if cfg.q_lora_rank is None:
             shapes[p + "q_proj.weight"] = (cfg.num_q_heads * qk, cfg.hidden_size)
@@ -54,7 +55,8 @@ def _attention_shapes(cfg, p):
 
 def _mlp_shapes(p, hidden, inter, names=("gate_proj", "up_proj", "down_proj")):
     gate, up, down = names
-    return {f"{p}{gate}.weight": (inter, hidden), f"{p}{up}.weight": (inter, hidden), f"{p}{down}.weight": (hidden, inter)}
+    return {f"{p}{gate}.weight": (inter, hidden), f"{p}{up}.weight": (inter, hidden),
+            f"{p}{down}.weight": (hidden, inter)}
 
 
 def _ffn_shapes(cfg, layer, p):
@@ -103,7 +105,7 @@ def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, t
     weights = {}
     for file in weight_files(path):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
                 if name in expected:
                     weights[name] = f.get_tensor(name).to(dtype)
     check_weights(weights, expected, path)

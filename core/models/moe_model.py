@@ -107,7 +107,8 @@ class MoEModel:
         attention = attention.to(hidden.dtype)
         if cfg.is_mla:  # latent -> per-head values
             attention = torch.einsum("thc,hvc->thv", attention, self.w[f"absorbed.{layer}.w_uv"])
-        out = F.linear(attention.reshape(attention.shape[0], -1), self.w[f"model.layers.{layer}.self_attn.o_proj.weight"])
+        o_proj = self.w[f"model.layers.{layer}.self_attn.o_proj.weight"]
+        out = F.linear(attention.reshape(attention.shape[0], -1), o_proj)
         return hidden + out
 
     # ------------------------------------------------------------------ feed-forward

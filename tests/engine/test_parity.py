@@ -53,7 +53,7 @@ def checkpoint(request, tmp_path_factory):
         for prompt in prompts:
             out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True)
-            expected.append((out.sequences[0, len(prompt):].tolist(), [l[0] for l in out.logits]))
+            expected.append((out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]))
     return str(path), prompts, expected
 
 
