@@ -1,0 +1,259 @@
+"""The engine's contract beyond parity: presets, streaming, continuous batching, stopping,
+sampling, placement of experts, checkpoints on disk, and bad input."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from writescope.block_allocator import CapacityError
+from writescope.engine import Engine
+from writescope.graph import LAYER_OPS, build_decode_graph
+from writescope.models.presets import EOS_TOKEN_ID, PRESETS
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def calibration_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
+
+
+def small_engine(preset="tiny-qwen3-moe", **kwargs):
+    options = {"window_tokens": 16, "block_size": 4, "max_batch_size": 2, "max_seq_len": 256, **kwargs}
+    return Engine.from_pretrained(preset, **options)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_presets_generate_text_from_text(preset):
+    engine = small_engine(preset)
+    try:
+        out = engine.generate("The quick brown fox", max_new_tokens=5)[0]
+    finally:
+        engine.shutdown()
+    assert len(out.token_ids) == 5 and out.prompt_tokens == len(b"The quick brown fox")
+    assert out.finish_reason == "length" and isinstance(out.text, str)
+
+
+def test_stream_yields_the_tokens_generate_returns():
+    engine = small_engine()
+    try:
+        prompts = ["first prompt " * 5, [7, 8, 9] * 30, "third"]
+        expected = engine.generate(prompts, max_new_tokens=6)
+        events = list(engine.generate_stream(prompts, max_new_tokens=6))
+    finally:
+        engine.shutdown()
+    for index, output in enumerate(expected):
+        mine = [e for e in events if e.index == index]
+        assert [e.token_id for e in mine] == output.token_ids
+        assert "".join(e.text for e in mine) == output.text
+        assert [e.finish_reason for e in mine][-1] == "length" and all(e.finish_reason is None for e in mine[:-1])
+
+
+def test_continuous_batching_gives_each_sequence_its_solo_tokens():
+    """Five prompts through a batch of two: sequences join and leave between steps, and each one's
+    tokens are those it gets alone."""
+    prompts = [list(range(10 + i, 40 + 7 * i)) for i in range(5)]
+    engine = small_engine(max_batch_size=2)
+    try:
+        together = engine.generate(prompts, max_new_tokens=7)
+        alone = [engine.generate([p], max_new_tokens=7)[0] for p in prompts]
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+
+
+def test_stop_string_stop_token_and_eos():
+    engine = small_engine()
+    try:
+        free = engine.generate([[1, 2, 3, 4]], max_new_tokens=8)[0]
+        token = free.token_ids[2]
+        by_id = engine.generate([[1, 2, 3, 4]], max_new_tokens=8, stop=[token])[0]
+        assert by_id.token_ids == free.token_ids[: free.token_ids.index(token) + 1] and by_id.finish_reason == "stop"
+        text = free.text
+        if text.strip():
+            needle = text[len(text) // 2:][:1]
+            by_text = engine.generate([[1, 2, 3, 4]], max_new_tokens=8, stop=needle)[0]
+            assert by_text.finish_reason == "stop" and needle not in by_text.text
+        engine.config = dataclass_replace(engine.config, eos_token_ids=(token,))
+        by_eos = engine.generate([[1, 2, 3, 4]], max_new_tokens=8)[0]
+        assert by_eos.finish_reason == "eos" and by_eos.token_ids[-1] == token
+    finally:
+        engine.shutdown()
+
+
+def dataclass_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+def test_sampling_is_seeded():
+    engine = small_engine()
+    try:
+        a = engine.generate(["abc"] * 2, max_new_tokens=12, temperature=1.5, top_p=0.9, seed=3)
+        b = engine.generate(["abc"] * 2, max_new_tokens=12, temperature=1.5, top_p=0.9, seed=3)
+        c = engine.generate(["abc"] * 2, max_new_tokens=12, temperature=1.5, top_p=0.9, seed=4)
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_ids for o in a] != [o.token_ids for o in c]
+    assert a[0].token_ids != a[1].token_ids  # each prompt has its own stream
+
+
+def test_expert_placement_does_not_change_results():
+    tokens = []
+    for hot in (None, 0, 3):
+        engine = small_engine("tiny-mixtral", hot_experts=hot)
+        try:
+            tokens.append(engine.generate([[5, 6, 7] * 20], max_new_tokens=6, return_logits=True)[0])
+        finally:
+            engine.shutdown()
+    assert tokens[0].token_ids == tokens[1].token_ids == tokens[2].token_ids
+    for other in tokens[1:]:
+        for a, b in zip(tokens[0].logits, other.logits, strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_bad_requests_are_refused_and_the_engine_stays_usable():
+    engine = small_engine(max_seq_len=64)
+    try:
+        with pytest.raises(ValueError, match="prompt 0 is empty"):
+            engine.generate([[]])
+        with pytest.raises(ValueError, match="exceeds max_seq_len=64"):
+            engine.generate([list(range(60))], max_new_tokens=10)
+        with pytest.raises(ValueError, match="outside \\[0, 320\\)"):
+            engine.generate([[1, 2, 999]])
+        with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+            engine.generate(["x"], max_new_tokens=0)
+        assert not engine.cache.seqs and engine.cache.free_blocks() == engine.cache.transfer_alloc.num_blocks + \
+            sum(a.num_blocks for a in engine.cache.compute_alloc)
+        assert len(engine.generate(["still works"], max_new_tokens=3)[0].token_ids) == 3
+    finally:
+        engine.shutdown()
+
+
+def test_a_batch_beyond_capacity_is_refused_before_any_write():
+    engine = Engine.from_pretrained("tiny-qwen3-moe", window_tokens=16, block_size=4, max_batch_size=1,
+                                    max_seq_len=64)
+    try:
+        engine.cache.admit("squatter", 60, 4)  # all the capacity
+        with pytest.raises(CapacityError, match="slots are in use|needs"):
+            engine.generate([list(range(30))], max_new_tokens=4)
+        engine.cache.finish("squatter")
+        engine.cache.check_integrity()
+        assert len(engine.generate([list(range(30))], max_new_tokens=4)[0].token_ids) == 4
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("name,message", [
+    ("tiny-llama", "neither a checkpoint directory nor a preset; presets: tiny-deepseek-v2"),
+])
+def test_unknown_preset_lists_the_known_ones(name, message):
+    with pytest.raises(ValueError, match=message):
+        Engine.from_pretrained(name)
+
+
+def test_unknown_policy_and_executor_list_the_known_ones():
+    with pytest.raises(ValueError, match="known: writescope, all_transfer, all_cpu, fixed_half, monolithic"):
+        Engine.from_pretrained("tiny-mixtral", policy="greedy")
+    with pytest.raises(ValueError, match="unknown executor 'threads'; known: local, ray"):
+        Engine.from_pretrained("tiny-mixtral", executor="threads")
+
+
+@pytest.fixture(scope="module")
+def saved_mixtral(tmp_path_factory):
+    torch.manual_seed(1)
+    config = transformers.MixtralConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        eos_token_id=None, pad_token_id=0)
+    model = transformers.MixtralForCausalLM(config).eval()
+    single = tmp_path_factory.mktemp("single")
+    model.save_pretrained(single)
+    sharded = tmp_path_factory.mktemp("sharded")
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    return model, single, sharded
+
+
+def test_sharded_checkpoint_loads_the_same_weights(saved_mixtral):
+    _, single, sharded = saved_mixtral
+    assert os.path.isfile(sharded / "model.safetensors.index.json")
+    outputs = []
+    for path in (single, sharded):
+        engine = Engine.from_pretrained(str(path), window_tokens=16, block_size=4, max_batch_size=1, max_seq_len=128)
+        try:
+            outputs.append(engine.generate([[3, 4, 5] * 10], max_new_tokens=5)[0].token_ids)
+        finally:
+            engine.shutdown()
+    assert outputs[0] == outputs[1]
+
+
+def test_checkpoint_without_tokenizer_takes_token_ids_only(saved_mixtral):
+    _, single, _ = saved_mixtral
+    engine = Engine.from_pretrained(str(single), window_tokens=16, block_size=4, max_batch_size=1, max_seq_len=128)
+    try:
+        assert engine.generate([[1, 2, 3]], max_new_tokens=2)[0].text == ""
+        with pytest.raises(ValueError, match="no tokenizer.json: pass prompts as lists of token ids"):
+            engine.generate("text")
+    finally:
+        engine.shutdown()
+
+
+def test_bfloat16_runs_on_a_float32_checkpoint(saved_mixtral):
+    _, single, _ = saved_mixtral
+    engine = Engine.from_pretrained(str(single), dtype="bfloat16", window_tokens=16, block_size=4, max_batch_size=1,
+                                    max_seq_len=128)
+    try:
+        assert engine.cache.config.format.dtype == "bfloat16"
+        assert len(engine.generate([[1, 2, 3] * 9], max_new_tokens=4)[0].token_ids) == 4
+    finally:
+        engine.shutdown()
+
+
+def test_broken_checkpoints_get_clear_errors(saved_mixtral, tmp_path):
+    _, single, _ = saved_mixtral
+    with pytest.raises(ValueError, match="config.json is missing|neither a checkpoint"):
+        Engine.from_pretrained(str(tmp_path))
+    broken = tmp_path / "no_weights"
+    broken.mkdir()
+    (broken / "config.json").write_text((single / "config.json").read_text())
+    with pytest.raises(ValueError, match="has no model.safetensors"):
+        Engine.from_pretrained(str(broken))
+    mismatched = tmp_path / "mismatched"
+    mismatched.mkdir()
+    config = json.loads((single / "config.json").read_text())
+    config["hidden_size"] = 32
+    (mismatched / "config.json").write_text(json.dumps(config))
+    os.symlink(single / "model.safetensors", mismatched / "model.safetensors")
+    with pytest.raises(ValueError, match="has shape .* the config needs"):
+        Engine.from_pretrained(str(mismatched))
+    other = tmp_path / "other_arch"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    with pytest.raises(ValueError, match="model_type 'llama' is not supported; supported: deepseek_v2"):
+        Engine.from_pretrained(str(other))
+
+
+def test_decode_graph_is_inspectable():
+    graph = build_decode_graph(num_layers=3, batch_size=4)
+    names = [n.name for n in graph.nodes]
+    assert names[0] == "embed" and names[-2:] == ["logits", "commit"]
+    for layer in range(3):
+        assert [n.op for n in graph.layer_nodes(layer)] == list(LAYER_OPS)
+    cpu = graph.node("L1.cpu_partial")
+    assert cpu.place == "cpu" and cpu.inputs == ("L1.qkv",)  # free to overlap the device's window write
+    seen = set()
+    for node in graph.nodes:  # topological order
+        assert set(node.inputs) <= seen
+        seen.add(node.name)
+
+
+def test_eos_of_the_preset_is_its_tokenizers_eos():
+    engine = small_engine()
+    try:
+        assert engine.config.eos_token_ids == (EOS_TOKEN_ID,)
+        assert engine.tokenizer.token_to_id("<eos>") == EOS_TOKEN_ID
+    finally:
+        engine.shutdown()
