@@ -1,4 +1,5 @@
-# make run   - the main job (for now: the CPU attention benchmark, JSON + table)
+# make run   - the main job: the end-to-end demo (a tiny MoE preset, 4 x 16K context, every policy)
+# make bench - the CPU attention benchmark (JSON + table)
 # make test  - lint and the test suite
 # Both create .venv when missing and install torch==2.13.0 (the local CPU build) before the project.
 
@@ -10,6 +11,9 @@ SOURCES := pyproject.toml setup.py $(wildcard cpp/src/* cpp/include/writescope/*
 .PHONY: run test bench lint clean
 
 run: $(INSTALLED)
+	$(PYTHON) tools/demo.py --out bench_results/demo.json
+
+bench: $(INSTALLED)
 	$(PYTHON) tools/bench_cpu_attention.py --out bench_results/cpu_attention.json
 
 test: $(INSTALLED) lint

@@ -116,6 +116,7 @@ class Engine:
         """A preset name (PRESETS) or a local Hugging Face checkpoint directory."""
         if policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}")
+        make_executor(executor).shutdown()  # an unknown executor fails here, before anything is allocated
         torch_dtype = _torch_dtype(dtype)
         if os.path.isdir(path_or_preset):
             config = load_config(path_or_preset)
@@ -139,9 +140,10 @@ class Engine:
         cache_config = CacheConfig(fmt, compute_blocks_per_shard=-(-blocks // num_shards), transfer_blocks=blocks,
                                    max_seqs=max_batch_size, pingpong_blocks=min(pingpong_blocks, max(blocks, 1)),
                                    num_shards=num_shards, window_tokens=window_tokens, device=device)
+        executor_obj = make_executor(executor)
         policy_obj = make_policy(policy, _calibrated_model(config, fmt, device) if policy == "writescope" else None)
         cache = InplaceKVCache(cache_config, policy_obj)
-        return cls(model, tokenizer, policy=policy_obj, cache=cache, executor=make_executor(executor),
+        return cls(model, tokenizer, policy=policy_obj, cache=cache, executor=executor_obj,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len)
 
     def shutdown(self) -> None:
@@ -204,7 +206,7 @@ class Engine:
         return ids
 
     def _run(self, requests: list[_Request]) -> Iterator[StreamEvent]:
-        waiting, running = deque(requests), []
+        waiting, running, admitted = deque(requests), [], []
         try:
             while waiting or running:
                 while waiting and len(running) < self.max_batch_size:
@@ -216,6 +218,7 @@ class Engine:
                             raise
                         break
                     waiting.popleft()
+                    admitted.append(request)
                     yield self._accept(request, self._prefill(request))
                     if request.finish_reason is None:
                         running.append(request)
@@ -227,8 +230,8 @@ class Engine:
                     for request in [r for r in running if r.finish_reason is not None]:
                         self.cache.finish(request.seq_id)
                         running.remove(request)
-        finally:
-            for request in running:
+        finally:  # a consumer that stops early, or an error, still releases every admitted sequence
+            for request in admitted:
                 if request.seq_id in self.cache.seqs:
                     self.cache.finish(request.seq_id)
 
@@ -263,7 +266,7 @@ class Engine:
         hidden = model.embed(ids)
         for layer in range(self.config.num_layers):
             q, stored = model.attention_inputs(layer, hidden, positions)
-            self.cache.write_prefill(request.seq_id, layer, *[s.transpose(0, 1).contiguous() for s in stored])
+            self.cache.write_prefill(request.seq_id, layer, *[s.transpose(0, 1) for s in stored])
             v = stored[0][..., : self.config.decode_head_dim_v] if self.config.is_mla else stored[1]
             attention = causal_attention(q, stored[0], v, self.config.attention_scale)
             hidden = model.feed_forward(layer, model.attention_output(layer, attention, hidden))
@@ -277,7 +280,9 @@ class Engine:
         device = self.model.device
         step = _Step(running, seq_ids, torch.tensor([r.tokens[-1] for r in running], device=device),
                      torch.tensor([self.cache.seqs[s].num_tokens for s in seq_ids], device=device))
-        graph = self._graphs.setdefault(len(running), build_decode_graph(self.config.num_layers, len(running)))
+        if len(running) not in self._graphs:
+            self._graphs[len(running)] = build_decode_graph(self.config.num_layers, len(running))
+        graph = self._graphs[len(running)]
         values = self.executor.run(graph, self._bindings(), step)
         logits = values["logits"]
         tokens = [self._sample(r, logits[i]) for i, r in enumerate(running)]
@@ -287,12 +292,15 @@ class Engine:
         return tokens
 
     def _bindings(self):
-        return {"embed": self._embed, "qkv": self._qkv, "window_write": self._window_write,
+        return {"embed": self._embed, "transfer": self._transfer, "qkv": self._qkv, "window_write": self._window_write,
                 "cpu_partial": self._cpu_partial, "device_partial": self._device_partial, "merge": self._merge,
                 "out_proj": self._out_proj, "ffn": self._ffn, "logits": self._logits, "commit": self._commit}
 
     def _embed(self, step, node):
         return self.model.embed(step.tokens)
+
+    def _transfer(self, step, node, _after):
+        self.cache.start_transfer(node.layer, step.seq_ids)
 
     def _qkv(self, step, node, hidden):
         return self.model.attention_inputs(node.layer, hidden, step.positions)
@@ -316,7 +324,7 @@ class Engine:
         out, lse = _merge_all([p[0] for p in parts])
         return out, lse, sum(p[1] for p in parts), time.perf_counter() - began
 
-    def _device_partial(self, step, node, qkv, _written):
+    def _device_partial(self, step, node, qkv, _written, _transfer_started):
         """Partial over the window (with this step's token), the ping-pong chunks of cpu_transfer and,
         for the monolithic policy, the cpu_compute KV shipped whole."""
         q = qkv[0]

@@ -5,7 +5,7 @@ device nodes that do not depend on them."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from writescope.graph import DecodeGraph, Node
@@ -21,12 +21,15 @@ class LocalExecutor:
 
     def run(self, graph: DecodeGraph, bindings: dict[str, Binding], step: Any) -> dict[str, Any]:
         values: dict[str, Any] = {}
-        for node in graph.nodes:
-            inputs = [_resolve(values[name]) for name in node.inputs]
-            if node.place == "cpu":
-                values[node.name] = self._cpu.submit(bindings[node.op], step, node, *inputs)
-            else:
-                values[node.name] = bindings[node.op](step, node, *inputs)
+        try:
+            for node in graph.nodes:
+                inputs = [_resolve(values[name]) for name in node.inputs]
+                if node.place == "cpu":
+                    values[node.name] = self._cpu.submit(bindings[node.op], step, node, *inputs)
+                else:
+                    values[node.name] = bindings[node.op](step, node, *inputs)
+        finally:  # a failing device node must not leave a CPU partial reading KV the caller then frees
+            wait([v for v in values.values() if isinstance(v, Future)])
         return {name: _resolve(value) for name, value in values.items()}
 
     def shutdown(self) -> None:

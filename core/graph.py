@@ -1,6 +1,9 @@
 """The decode step as a task graph: a data structure built once per batch shape, bound by executors.
 
 Per layer l (place: where the node runs):
+    L{l}.transfer        device  starts copying layer l's first cpu_transfer chunk into ping-pong buffer
+                                 l % 2 without waiting: it is placed right after layer l-1's device
+                                 partial, so the copy runs while layer l-1 merges and runs its MoE
     L{l}.qkv             device  norm, projections, rope (MLA: absorbed query); the token's KV to store
     L{l}.window_write    device  the new token's KV into the GPU window
     L{l}.cpu_partial     cpu     partial attention over the batch's cpu_compute tokens (C++ kernel)
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LAYER_OPS = ("qkv", "window_write", "cpu_partial", "device_partial", "merge", "out_proj", "ffn")
+LAYER_OPS = ("transfer", "qkv", "window_write", "cpu_partial", "device_partial", "merge", "out_proj", "ffn")
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class DecodeGraph:
 def build_decode_graph(num_layers: int, batch_size: int) -> DecodeGraph:
     if num_layers < 1 or batch_size < 1:
         raise ValueError(f"num_layers and batch_size must be >= 1, got {num_layers}, {batch_size}")
-    nodes = [Node("embed", "embed", None, "device", ())]
+    nodes = [Node("embed", "embed", None, "device", ()), Node("L0.transfer", "transfer", 0, "device", ("embed",))]
     hidden = "embed"
     for layer in range(num_layers):
         p = f"L{layer}."
@@ -55,7 +58,12 @@ def build_decode_graph(num_layers: int, batch_size: int) -> DecodeGraph:
             Node(p + "qkv", "qkv", layer, "device", (hidden,)),
             Node(p + "window_write", "window_write", layer, "device", (p + "qkv",)),
             Node(p + "cpu_partial", "cpu_partial", layer, "cpu", (p + "qkv",)),
-            Node(p + "device_partial", "device_partial", layer, "device", (p + "qkv", p + "window_write")),
+            Node(p + "device_partial", "device_partial", layer, "device",
+                 (p + "qkv", p + "window_write", p + "transfer")),
+        ]
+        if layer + 1 < num_layers:  # the next layer's copy starts as soon as this layer's buffer use ends
+            nodes.append(Node(f"L{layer + 1}.transfer", "transfer", layer + 1, "device", (p + "device_partial",)))
+        nodes += [
             Node(p + "merge", "merge", layer, "device", (p + "cpu_partial", p + "device_partial")),
             Node(p + "out_proj", "out_proj", layer, "device", (p + "merge", hidden)),
             Node(p + "ffn", "ffn", layer, "device", (p + "out_proj",)),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -97,6 +98,9 @@ class InplaceKVCache:
         self._free_slots = list(range(config.max_seqs - 1, -1, -1))
         self.last_transfer_s = 0.0
         self.last_transfer_tokens = 0
+        self._pending: dict[int, tuple | None] = {}  # ping-pong buffer -> a started first chunk
+        self._copy_stream = None
+        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writescope-pingpong-copy")
 
     # ---------------------------------------------------------------- capacity and lifecycle
     @property
@@ -141,6 +145,8 @@ class InplaceKVCache:
         del self.seqs[seq_id]
 
     def close(self) -> None:
+        self._copier.shutdown(wait=True)
+        self._pending.clear()
         for region in [*self.compute, self.transfer]:
             region.close()
 
@@ -199,7 +205,7 @@ class InplaceKVCache:
         for layer in range(self.config.format.num_layers):
             for i, placement in enumerate(state.blocks[first:]):
                 rows = [w[layer, state.slot, :, i * bs:(i + 1) * bs] for w in self.window]
-                self._write_block(placement, layer, [r.to("cpu") for r in rows])  # D2H of sealed blocks
+                self._write_block(placement, layer, rows)  # D2H of sealed blocks, one copy
         state.window_len = 0
 
     def _place(self, seq_id, count: int) -> None:
@@ -264,32 +270,82 @@ class InplaceKVCache:
                             device=k.device)
         return KVSource(k, v, slots.reshape(len(seq_ids), 1), lens)
 
+    def start_transfer(self, layer: int, seq_ids) -> None:
+        """Starts copying the first ping-pong chunk of `layer` into buffer layer % 2 and returns at once
+        (a side stream on CUDA, a copy thread otherwise), so layer l + 1's copy runs while layer l
+        computes; `transfer_chunks(layer, seq_ids)` then begins with it. The buffer must be free: the
+        chunks of layer - 2 are consumed."""
+        plan = self._transfer_plan(seq_ids)
+        previous = self._pending.pop(layer % 2, None)
+        if previous is not None:  # never two copies into one buffer at once
+            self._wait(previous[3])
+        if not plan:
+            return
+        if self.pingpong[0].is_cuda:
+            stream = self._copy_stream or torch.cuda.Stream(device=self.pingpong[0].device)
+            self._copy_stream = stream
+            stream.wait_stream(torch.cuda.current_stream())
+            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record()
+                self._copy_chunk(layer, plan[0])
+                done.record()
+            handle = (start, done)
+        else:
+            handle = self._copier.submit(self._timed_copy, layer, plan[0])
+        self._pending[layer % 2] = (layer, tuple(seq_ids), plan[0], handle)
+
     def transfer_chunks(self, layer: int, seq_ids) -> Iterator[KVSource]:
         """Streams the cpu_transfer blocks of seq_ids for one layer into ping-pong buffer layer % 2, at
         most pingpong_blocks at a time, one DMA per span of consecutive blocks; yields each chunk as
-        a paged source on the device, valid until the next chunk refills the buffer. Records the
-        copy time (the B of the perf model)."""
-        buffer = layer % 2
-        capacity = self.config.pingpong_blocks
-        pending = [(i, p.block) for i, s in enumerate(seq_ids)
-                   for p in self._state(s).blocks if p.region is Region.CPU_TRANSFER]
+        a paged source on the device, valid until the next chunk refills the buffer. A chunk started
+        by `start_transfer` is waited for, not copied again. Records the copy time (the B of the
+        perf model)."""
+        pending = self._pending.pop(layer % 2, None)
+        pending_s = self._wait(pending[3]) if pending is not None else 0.0  # the buffer is ours only after this
         self.last_transfer_s, self.last_transfer_tokens = 0.0, 0
-        for start in range(0, len(pending), capacity):
-            chunk = pending[start:start + capacity]
-            began = time.perf_counter()
-            for dst, src, n in _spans([block for _, block in chunk]):
-                for buf, array in zip(self.pingpong, self.transfer.arrays, strict=True):
-                    buf[buffer, dst:dst + n].copy_(array[layer, src:src + n], non_blocking=True)
-            if self.pingpong[0].is_cuda:
-                torch.cuda.current_stream().synchronize()
-            self.last_transfer_s += time.perf_counter() - began
+        for index, chunk in enumerate(self._transfer_plan(seq_ids)):
+            if index == 0 and pending is not None and pending[:3] == (layer, tuple(seq_ids), chunk):
+                self.last_transfer_s += pending_s
+            else:
+                self.last_transfer_s += self._timed_copy(layer, chunk)
             self.last_transfer_tokens += len(chunk) * self.block_size
             lists = [[] for _ in seq_ids]
             for slot, (seq_index, _) in enumerate(chunk):
                 lists[seq_index].append(slot)
+            buffer = layer % 2
             k = self.pingpong[0][buffer]
             v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else self.pingpong[1][buffer]
             yield KVSource(k, v, *self._table(lists, k.device))
+
+    def _transfer_plan(self, seq_ids) -> list[list[tuple[int, int]]]:
+        """Chunks of (sequence index, cpu_transfer block), at most pingpong_blocks each."""
+        blocks = [(i, p.block) for i, s in enumerate(seq_ids)
+                  for p in self._state(s).blocks if p.region is Region.CPU_TRANSFER]
+        capacity = self.config.pingpong_blocks
+        return [blocks[start:start + capacity] for start in range(0, len(blocks), capacity)]
+
+    def _copy_chunk(self, layer: int, chunk) -> None:
+        buffer = layer % 2
+        for dst, src, n in _spans([block for _, block in chunk]):
+            for buf, array in zip(self.pingpong, self.transfer.arrays, strict=True):
+                buf[buffer, dst:dst + n].copy_(array[layer, src:src + n], non_blocking=True)
+
+    def _timed_copy(self, layer: int, chunk) -> float:
+        began = time.perf_counter()
+        self._copy_chunk(layer, chunk)
+        if self.pingpong[0].is_cuda:  # the copies are asynchronous: time them to completion
+            torch.cuda.current_stream().synchronize()
+        return time.perf_counter() - began
+
+    @staticmethod
+    def _wait(handle) -> float:
+        if isinstance(handle, tuple):  # CUDA events on the copy stream
+            start, done = handle
+            torch.cuda.current_stream().wait_event(done)
+            done.synchronize()
+            return start.elapsed_time(done) / 1e3
+        return handle.result()
 
     def shipped_compute_source(self, layer: int, seq_ids, shard: int = 0) -> KVSource:
         """The monolithic baseline: the cpu_compute blocks of seq_ids copied whole to the device from

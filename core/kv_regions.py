@@ -94,6 +94,11 @@ class RegionHandle:
         ints = ("shard", "num_blocks", "segment_bytes")
         if not all(isinstance(data[k], int) for k in ints) or not isinstance(data["pinned"], bool):
             raise ValueError(f"handle fields {ints} must be integers and pinned a bool")
+        for key, kind in (("offsets", int), ("block_table", int), ("layout", str)):
+            if not isinstance(data[key], list) or not all(isinstance(x, kind) for x in data[key]):
+                raise ValueError(f"handle field {key} must be a list of {kind.__name__}, got {data[key]!r}")
+        if not isinstance(data["shm_name"], str) or not isinstance(data["kind"], str):
+            raise ValueError("handle fields shm_name and kind must be strings")
         data["format"] = KVFormat.from_dict(data["format"])
         for key in ("offsets", "layout", "block_table"):
             data[key] = tuple(data[key])

@@ -10,5 +10,6 @@ export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 python3 -m pip install --quiet --no-index --no-deps --no-build-isolation -e . 2>&1 | tee "$OUT/install.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.csv"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/core/test_triton_attention.py 2>&1 | tee "$OUT/gpu_tests.log"
+python3 -m pytest -q -m gpu -p no:cacheprovider tests/core/test_triton_attention.py tests/engine/test_parity.py \
+    2>&1 | tee "$OUT/gpu_tests.log"
 python3 tools/bench_gpu_attention.py --out "$OUT/gpu_attention.json" 2>&1 | tee "$OUT/gpu_bench.log"

@@ -42,12 +42,11 @@ def swiglu(x, gate, up, down):
 
 def causal_attention(q, k, v, scale):
     """Prefill attention over one sequence. q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv] ->
-    [T, Hq, Dv], in float32."""
-    group = q.shape[1] // k.shape[1]
-    q32 = q.float().transpose(0, 1)  # [Hq, T, D]
-    k32 = k.float().transpose(0, 1).repeat_interleave(group, dim=0)
-    v32 = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
-    scores = torch.matmul(q32, k32.transpose(1, 2)) * scale
-    mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).triu(1)
-    scores = scores.masked_fill(mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v32).transpose(0, 1)
+    [T, Hq, Dv], in float32, through torch's fused SDPA (memory linear in T). V narrower than K (MLA's
+    latent) is zero-padded to K's width so the fused kernel applies; the padding adds zeros only."""
+    dim_v = v.shape[-1]
+    if dim_v < k.shape[-1]:
+        v = F.pad(v, (0, k.shape[-1] - dim_v))
+    q32, k32, v32 = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, T, dim]
+    out = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)[..., :dim_v]

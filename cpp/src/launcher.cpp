@@ -91,10 +91,17 @@ void check_block_table(const PagedAttentionArgs& a, int64_t max_blocks, int64_t 
   }
 }
 
+// The block table and lengths are copied while the GIL is held, then checked and used from the
+// copies: a Python thread changing the arrays after the check cannot steer the kernel out of bounds.
+struct IndexCopies {
+  std::vector<int32_t> table;
+  std::vector<int32_t> lens;
+};
+
 PagedAttentionArgs check_attention_args(const py::array& q, const py::array& k, const py::array& v,
                                         const py::array& table, const py::array& lens, py::array& out,
                                         py::array& lse, const std::string& q_dtype, const std::string& kv_dtype,
-                                        double scale) {
+                                        double scale, IndexCopies& copies) {
   PagedAttentionArgs a{};
   a.q_dtype = parse_dtype(q_dtype, "q_dtype");
   a.kv_dtype = parse_dtype(kv_dtype, "kv_dtype");
@@ -160,13 +167,23 @@ PagedAttentionArgs check_attention_args(const py::array& q, const py::array& k, 
   a.v_block_stride = vs[0];
   a.v_head_stride = vs[1];
   a.v_token_stride = vs[2];
-  a.block_table = static_cast<const int32_t*>(table.data());
-  a.block_table_stride = ts[0];
-  a.seq_lens = static_cast<const int32_t*>(lens.data());
+  const int64_t max_blocks = table.shape(1);
+  copies.table.resize(a.num_seqs * max_blocks);
+  const auto* table_in = static_cast<const int32_t*>(table.data());
+  for (int64_t s = 0; s < a.num_seqs; ++s)
+    for (int64_t j = 0; j < max_blocks; ++j) copies.table[s * max_blocks + j] = table_in[s * ts[0] + j];
+  const auto* lens_in = static_cast<const int32_t*>(lens.data());
+  copies.lens.assign(lens_in, lens_in + a.num_seqs);
+  a.block_table = copies.table.data();
+  a.block_table_stride = max_blocks;
+  a.seq_lens = copies.lens.data();
   a.scale = static_cast<float>(scale);
   check_block_table(a, table.shape(1), num_blocks);
   return a;
 }
+
+// ceil(len / chunk_tokens) without overflow for any chunk_tokens >= 1.
+int64_t chunk_count(int64_t len, int64_t chunk_tokens) { return len == 0 ? 0 : 1 + (len - 1) / chunk_tokens; }
 
 // Builds one item per (sequence, kv head, chunk); a sequence of length 0 is written directly.
 void plan_items(AttentionJob& job, int64_t chunk_tokens, float* out, float* lse, std::vector<float>& partials) {
@@ -174,7 +191,7 @@ void plan_items(AttentionJob& job, int64_t chunk_tokens, float* out, float* lse,
   const int64_t g = job.group_size, dim_v = a.head_dim_v;
   int64_t partial_floats = 0, num_groups = 0;
   for (int64_t s = 0; s < a.num_seqs; ++s) {
-    const int64_t chunks = (a.seq_lens[s] + chunk_tokens - 1) / chunk_tokens;
+    const int64_t chunks = chunk_count(a.seq_lens[s], chunk_tokens);
     if (chunks > 1) {
       partial_floats += a.num_kv_heads * chunks * g * (dim_v + 1);
       num_groups += a.num_kv_heads;
@@ -193,7 +210,7 @@ void plan_items(AttentionJob& job, int64_t chunk_tokens, float* out, float* lse,
       for (int64_t h = 0; h < a.num_q_heads; ++h) seq_lse[h] = kNegInf;
       continue;
     }
-    const int64_t chunks = (len + chunk_tokens - 1) / chunk_tokens;
+    const int64_t chunks = chunk_count(len, chunk_tokens);
     for (int64_t h = 0; h < a.num_kv_heads; ++h) {
       float* head_out = seq_out + h * g * dim_v;
       float* head_lse = seq_lse + h * g;
@@ -229,7 +246,9 @@ void paged_attention(const py::array& q, const py::array& k_cache, const py::arr
                      int64_t chunk_tokens) {
   if (chunk_tokens < 1) fail("chunk_tokens must be >= 1, got " + std::to_string(chunk_tokens));
   AttentionJob job;
-  job.args = check_attention_args(q, k_cache, v_cache, block_table, seq_lens, out, lse, q_dtype, kv_dtype, scale);
+  IndexCopies copies;
+  job.args = check_attention_args(q, k_cache, v_cache, block_table, seq_lens, out, lse, q_dtype, kv_dtype, scale,
+                                  copies);
   job.group_size = job.args.num_q_heads / job.args.num_kv_heads;
   float* out_ptr = static_cast<float*>(out.mutable_data());
   float* lse_ptr = static_cast<float*>(lse.mutable_data());

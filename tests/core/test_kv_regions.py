@@ -79,6 +79,9 @@ def tamper(handle, **changes):
     ({"shm_name": "writescope_no_such_segment"}, "the region is gone"),
     ({"shard": -1}, "must be >= 0"),
     ({"extra": 1}, "needs the fields"),
+    ({"offsets": 5}, "offsets must be a list of int"),
+    ({"block_table": ["x"]}, "block_table must be a list of int"),
+    ({"layout": [1, 2]}, "layout must be a list of str"),
 ])
 def test_tampered_handle_is_refused(changes, message):
     region = HostRegion.create("cpu_compute", FMT, 3)

@@ -90,7 +90,7 @@ def test_paged_head_major_pool_layout(cpu_variant):
     assert_partials_close(out, lse, ref_out, ref_lse)
 
 
-@pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 100000])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 100000, 2**63 - 1])
 def test_chunking_does_not_change_the_result(cpu_variant, chunk_tokens):
     q, k, v = make_inputs(**BASE)
     q3, k4, v4 = q[None], k[None], v[None]

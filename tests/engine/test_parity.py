@@ -6,6 +6,8 @@ the KV land in the CPU regions and the window flush twice per sequence; every po
 tokens of transformers' greedy generate.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -57,12 +59,23 @@ def checkpoint(request, tmp_path_factory):
     return str(path), prompts, expected
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request):
+    """The engine's device: the CPU here; on a CUDA machine the same tests run with the window and
+    ping-pong on the GPU, pinned cpu_transfer and Triton device partials."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if request.param == "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: Triton runs interpreted on CPU tensors only")
+    return request.param
+
+
 @pytest.mark.parametrize("policy", POLICY_NAMES)
-def test_same_tokens_and_logits_as_transformers(checkpoint, policy, tmp_path, monkeypatch):
+def test_same_tokens_and_logits_as_transformers(checkpoint, policy, device, tmp_path, monkeypatch):
     monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
     path, prompts, expected = checkpoint
     engine = Engine.from_pretrained(path, policy=policy, dtype="float32", window_tokens=8, block_size=4,
-                                    max_batch_size=2, max_seq_len=320)
+                                    max_batch_size=2, max_seq_len=320, device=device)
     flushed, regions = 0, set()
     original_flush = engine.cache._flush_window
 

@@ -1,0 +1,118 @@
+"""End-to-end decode speed: every policy of the engine against transformers' generate on the same
+weights, in the same run.
+
+For each context length and batch size: the engine's decode tok/s (tokens after the first, over the
+time after the first token) under every policy, and transformers' (`generate`, greedy, its default
+dynamic cache) measured as (time of N new tokens - time of 1) per token. The preset's weights are
+saved as a Hugging Face checkpoint first, and both sides load that directory.
+
+    python tools/bench_e2e.py --out bench_results/e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import tempfile
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from writescope.engine import Engine
+from writescope.models.presets import PRESETS, preset_config, preset_weights
+from writescope.policies import POLICY_NAMES
+
+log = logging.getLogger("bench_e2e")
+
+
+def save_preset(preset: str, path: str) -> None:
+    config = preset_config(preset)
+    weights = preset_weights(config, torch.float32)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({**PRESETS[preset], "dtype": "float32", "eos_token_id": None}, f)
+
+
+def engine_tok_s(path, policy, prompts, new_tokens, dtype) -> dict:
+    engine = Engine.from_pretrained(path, policy=policy, dtype=dtype, max_batch_size=len(prompts),
+                                    max_seq_len=len(prompts[0]) + new_tokens)
+    try:
+        started, first = time.perf_counter(), None
+        for count, _ in enumerate(engine.generate_stream(prompts, max_new_tokens=new_tokens), start=1):
+            if count == len(prompts):  # every sequence has its first token: prefill is over
+                first = time.perf_counter()
+        decode_s = time.perf_counter() - first
+        return {"prefill_s": first - started, "decode_tok_s": len(prompts) * (new_tokens - 1) / decode_s}
+    finally:
+        engine.shutdown()
+
+
+class _StepClock:
+    """A logits processor: transformers calls it once per generated token, right after that step's
+    forward pass, so its timestamps bracket the decode steps exactly (prefill excluded)."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def transformers_tok_s(path, prompts, new_tokens, dtype) -> dict:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    ids = torch.tensor(prompts)
+    clock = _StepClock()
+    with torch.no_grad():
+        model.generate(ids[:, :16], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
+        started = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                       logits_processor=transformers.LogitsProcessorList([clock]))
+    first, last = clock.times[0], clock.times[-1]
+    return {"prefill_s": first - started, "decode_tok_s": len(prompts) * (new_tokens - 1) / (last - first)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny-qwen3-moe", choices=list(PRESETS), help="model preset")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768], help="prompt tokens")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="batch sizes")
+    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per sequence")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV dtype")
+    parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), choices=POLICY_NAMES, help="policies")
+    parser.add_argument("--out", default="bench_results/e2e.json", help="JSON output path")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = []
+    with tempfile.TemporaryDirectory() as path:
+        save_preset(args.preset, path)
+        for context in args.contexts:
+            for batch in args.batches:
+                generator = torch.Generator().manual_seed(context + batch)
+                prompts = torch.randint(0, 256, (batch, context), generator=generator).tolist()
+                row = {"context": context, "batch": batch,
+                       "transformers": transformers_tok_s(path, prompts, args.new_tokens, args.dtype)}
+                for policy in args.policies:
+                    row[policy] = engine_tok_s(path, policy, prompts, args.new_tokens, args.dtype)
+                log.info("%s", json.dumps(row))
+                rows.append(row)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    header = ["context", "batch", "transformers", *args.policies, "best vs transformers"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        ours = [r[p]["decode_tok_s"] for p in args.policies]
+        cells = [f"{r['context'] // 1024}K", str(r["batch"]), f"{r['transformers']['decode_tok_s']:.1f}",
+                 *[f"{t:.1f}" for t in ours], f"{max(ours) / r['transformers']['decode_tok_s']:.1f}x"]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
