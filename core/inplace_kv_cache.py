@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +65,8 @@ class SequenceState:
     max_tokens: int  # prompt + max new tokens: what admission reserved for
     num_tokens: int  # committed tokens
     blocks: list[Placement] = field(default_factory=list)  # logical order
+    # the same blocks by (region, shard), in logical order: what block tables are built from
+    region_blocks: dict[tuple[Region, int], list[int]] = field(default_factory=dict)
     window_len: int = 0
     prefilled_layers: set[int] = field(default_factory=set)
     reserved_blocks: int = 0  # reserved at admission, not yet placed
@@ -100,7 +101,6 @@ class InplaceKVCache:
         self.last_transfer_tokens = 0
         self._pending: dict[int, tuple | None] = {}  # ping-pong buffer -> a started first chunk
         self._copy_stream = None
-        self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writescope-pingpong-copy")
 
     # ---------------------------------------------------------------- capacity and lifecycle
     @property
@@ -145,7 +145,6 @@ class InplaceKVCache:
         del self.seqs[seq_id]
 
     def close(self) -> None:
-        self._copier.shutdown(wait=True)
         self._pending.clear()
         for region in [*self.compute, self.transfer]:
             region.close()
@@ -217,7 +216,9 @@ class InplaceKVCache:
         cpu_tokens = sum(bs for p in state.blocks if p.region is Region.CPU_COMPUTE)
         regions = self.policy.route_blocks(cpu_tokens, len(state.blocks) * bs, [bs] * count, self.spilled_tokens())
         for region in regions:
-            state.blocks.append(self._allocate(region))
+            placement = self._allocate(region)
+            state.blocks.append(placement)
+            state.region_blocks.setdefault((placement.region, placement.shard), []).append(placement.block)
         state.reserved_blocks -= count
 
     def _allocate(self, preferred: Region) -> Placement:
@@ -256,8 +257,7 @@ class InplaceKVCache:
         region = self.compute[shard]
         k = region.k[layer].permute(1, 0, 2, 3)  # [num_blocks, num_kv_heads, block_size, head_dim_k]
         v = region.v[layer].permute(1, 0, 2, 3)
-        lists = [[p.block for p in self._state(s).blocks if p.region is Region.CPU_COMPUTE and p.shard == shard]
-                 for s in seq_ids]
+        lists = [self._state(s).region_blocks.get((Region.CPU_COMPUTE, shard), []) for s in seq_ids]
         return KVSource(k, v, *self._table(lists, k.device))
 
     def window_source(self, layer: int, seq_ids, pending_tokens: int = 0) -> KVSource:
@@ -271,10 +271,10 @@ class InplaceKVCache:
         return KVSource(k, v, slots.reshape(len(seq_ids), 1), lens)
 
     def start_transfer(self, layer: int, seq_ids) -> None:
-        """Starts copying the first ping-pong chunk of `layer` into buffer layer % 2 and returns at once
-        (a side stream on CUDA, a copy thread otherwise), so layer l + 1's copy runs while layer l
-        computes; `transfer_chunks(layer, seq_ids)` then begins with it. The buffer must be free: the
-        chunks of layer - 2 are consumed."""
+        """Starts copying the first ping-pong chunk of `layer` into buffer layer % 2: on CUDA on a side
+        stream, returning at once, so layer l + 1's copy runs while layer l computes; on a CPU-only
+        host inline. `transfer_chunks(layer, seq_ids)` then begins with it. The buffer must be free:
+        the chunks of layer - 2 are consumed."""
         plan = self._transfer_plan(seq_ids)
         previous = self._pending.pop(layer % 2, None)
         if previous is not None:  # never two copies into one buffer at once
@@ -291,8 +291,8 @@ class InplaceKVCache:
                 self._copy_chunk(layer, plan[0])
                 done.record()
             handle = (start, done)
-        else:
-            handle = self._copier.submit(self._timed_copy, layer, plan[0])
+        else:  # no device to overlap with: copy now, inline (a copy thread only competed for the cores)
+            handle = self._timed_copy(layer, plan[0])
         self._pending[layer % 2] = (layer, tuple(seq_ids), plan[0], handle)
 
     def transfer_chunks(self, layer: int, seq_ids) -> Iterator[KVSource]:
@@ -320,8 +320,8 @@ class InplaceKVCache:
 
     def _transfer_plan(self, seq_ids) -> list[list[tuple[int, int]]]:
         """Chunks of (sequence index, cpu_transfer block), at most pingpong_blocks each."""
-        blocks = [(i, p.block) for i, s in enumerate(seq_ids)
-                  for p in self._state(s).blocks if p.region is Region.CPU_TRANSFER]
+        blocks = [(i, block) for i, s in enumerate(seq_ids)
+                  for block in self._state(s).region_blocks.get((Region.CPU_TRANSFER, 0), [])]
         capacity = self.config.pingpong_blocks
         return [blocks[start:start + capacity] for start in range(0, len(blocks), capacity)]
 
@@ -345,7 +345,7 @@ class InplaceKVCache:
             torch.cuda.current_stream().wait_event(done)
             done.synchronize()
             return start.elapsed_time(done) / 1e3
-        return handle.result()
+        return handle  # a host copy, already done: its seconds
 
     def shipped_compute_source(self, layer: int, seq_ids, shard: int = 0) -> KVSource:
         """The monolithic baseline: the cpu_compute blocks of seq_ids copied whole to the device from
@@ -389,6 +389,10 @@ class InplaceKVCache:
             assert 0 <= state.window_len < self.config.window_tokens or state.num_tokens == state.max_tokens
             assert state.reserved_blocks >= 0, f"{seq_id!r}: negative reservation"
             assert len(state.blocks) + state.reserved_blocks == self.blocks_needed(state.max_tokens)
+            by_region = {}
+            for p in state.blocks:
+                by_region.setdefault((p.region, p.shard), []).append(p.block)
+            assert by_region == {k: v for k, v in state.region_blocks.items() if v}, f"{seq_id!r}: block lists differ"
             for p in state.blocks:
                 key = (p.region, p.shard, p.block)
                 assert key not in owned, f"block {key} is owned by {owned[key]!r} and {seq_id!r}"

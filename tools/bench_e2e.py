@@ -36,9 +36,9 @@ def save_preset(preset: str, path: str) -> None:
         json.dump({**PRESETS[preset], "dtype": "float32", "eos_token_id": None}, f)
 
 
-def engine_tok_s(path, policy, prompts, new_tokens, dtype) -> dict:
+def engine_tok_s(path, policy, prompts, new_tokens, dtype, device="cpu") -> dict:
     engine = Engine.from_pretrained(path, policy=policy, dtype=dtype, max_batch_size=len(prompts),
-                                    max_seq_len=len(prompts[0]) + new_tokens)
+                                    max_seq_len=len(prompts[0]) + new_tokens, device=device)
     try:
         started, first = time.perf_counter(), None
         for count, _ in enumerate(engine.generate_stream(prompts, max_new_tokens=new_tokens), start=1):
@@ -62,11 +62,11 @@ class _StepClock:
         return scores
 
 
-def transformers_tok_s(path, prompts, new_tokens, dtype) -> dict:
+def transformers_tok_s(path, prompts, new_tokens, dtype, device="cpu") -> dict:
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    ids = torch.tensor(prompts)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval().to(device)
+    ids = torch.tensor(prompts, device=device)
     clock = _StepClock()
     with torch.no_grad():
         model.generate(ids[:, :16], max_new_tokens=2, do_sample=False, pad_token_id=0)  # warm-up
@@ -85,6 +85,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per sequence")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV dtype")
     parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), choices=POLICY_NAMES, help="policies")
+    parser.add_argument("--device", default="cpu", help="device of the engine and of transformers (cuda on a GPU)")
     parser.add_argument("--out", default="bench_results/e2e.json", help="JSON output path")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -96,9 +97,9 @@ def main():
                 generator = torch.Generator().manual_seed(context + batch)
                 prompts = torch.randint(0, 256, (batch, context), generator=generator).tolist()
                 row = {"context": context, "batch": batch,
-                       "transformers": transformers_tok_s(path, prompts, args.new_tokens, args.dtype)}
+                       "transformers": transformers_tok_s(path, prompts, args.new_tokens, args.dtype, args.device)}
                 for policy in args.policies:
-                    row[policy] = engine_tok_s(path, policy, prompts, args.new_tokens, args.dtype)
+                    row[policy] = engine_tok_s(path, policy, prompts, args.new_tokens, args.dtype, args.device)
                 log.info("%s", json.dumps(row))
                 rows.append(row)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

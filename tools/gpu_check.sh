@@ -13,3 +13,5 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -m pytest -q -m gpu -p no:cacheprovider tests/core/test_triton_attention.py tests/engine/test_parity.py \
     2>&1 | tee "$OUT/gpu_tests.log"
 python3 tools/bench_gpu_attention.py --out "$OUT/gpu_attention.json" 2>&1 | tee "$OUT/gpu_bench.log"
+python3 tools/bench_e2e.py --device cuda --contexts 8192 32768 --batches 4 --out "$OUT/e2e.json" 2>&1 \
+    | tee "$OUT/e2e.log"

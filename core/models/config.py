@@ -2,11 +2,49 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from writescope.kv_format import KVFormat
 
 ARCHITECTURES = ("deepseek_v2", "qwen3_moe", "mixtral")
+ROPE_TYPES = ("default", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding: the default, or YaRN scaling (DeepSeek-V2-Lite's checkpoint uses it)."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @classmethod
+    def from_hf(cls, data: dict) -> RopeConfig:
+        rope = dict(data.get("rope_parameters") or data.get("rope_scaling") or {})
+        rope_type = rope.get("rope_type", rope.get("type")) or "default"
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        theta = rope.get("rope_theta", data.get("rope_theta", 10000.0))
+        if rope_type == "default":
+            return cls(theta=theta)
+        original = rope.get("original_max_position_embeddings") or data.get("max_position_embeddings")
+        factor = rope.get("factor") or data["max_position_embeddings"] / original
+        return cls(theta=theta, type="yarn", factor=factor, original_max_position_embeddings=original,
+                   beta_fast=rope.get("beta_fast") or 32.0, beta_slow=rope.get("beta_slow") or 1.0,
+                   mscale=rope.get("mscale"), mscale_all_dim=rope.get("mscale_all_dim"),
+                   attention_factor=rope.get("attention_factor"), truncate=rope.get("truncate", True))
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclass(frozen=True)
@@ -23,7 +61,7 @@ class ModelConfig:
     num_experts: int
     top_k: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeConfig
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 1.0
     topk_method: str = "greedy"
@@ -57,7 +95,12 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5 if self.is_mla else self.head_dim**-0.5
+        if not self.is_mla:
+            return self.head_dim**-0.5
+        scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5
+        if self.rope.type == "yarn" and self.rope.mscale_all_dim:  # DeepSeek's YaRN softmax correction
+            scale *= yarn_mscale(self.rope.factor, self.rope.mscale_all_dim) ** 2
+        return scale
 
     def is_moe_layer(self, layer: int) -> bool:
         if self.arch == "deepseek_v2":
@@ -78,10 +121,6 @@ class ModelConfig:
         arch = data.get("model_type")
         if arch not in ARCHITECTURES:
             raise ValueError(f"model_type {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
-        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope type {rope_type!r} is not supported yet; supported: default")
         eos = data.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         heads = data["num_attention_heads"]
@@ -91,7 +130,7 @@ class ModelConfig:
             "num_kv_heads": data.get("num_key_value_heads") or heads,
             "intermediate_size": data.get("intermediate_size", 0),
             "rms_norm_eps": data.get("rms_norm_eps", 1e-6),
-            "rope_theta": rope.get("rope_theta", data.get("rope_theta", 10000.0)),
+            "rope": RopeConfig.from_hf(data),
             "tie_word_embeddings": data.get("tie_word_embeddings", False), "eos_token_ids": eos_ids,
             "dtype": str(data.get("dtype") or data.get("torch_dtype") or "float32"),
             "top_k": data["num_experts_per_tok"],

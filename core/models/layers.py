@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -14,23 +16,55 @@ def rms_norm(x, weight, eps):
     return weight * x32.to(dtype)
 
 
-def rope_inv_freq(dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+def rope_frequencies(dim: int, rope) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim / 2], attention factor) of a RopeConfig: default, or YaRN (the
+    interpolated and extrapolated frequencies blended by a linear ramp over the dimensions)."""
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if rope.type == "default":
+        return 1.0 / pos_freqs, 1.0
+    if rope.attention_factor is not None:
+        attention_factor = rope.attention_factor
+    elif rope.mscale and rope.mscale_all_dim:
+        attention_factor = _mscale(rope.factor, rope.mscale) / _mscale(rope.factor, rope.mscale_all_dim)
+    else:
+        attention_factor = _mscale(rope.factor)
+    low, high = _correction_range(rope, dim)
+    span = high - low if high > low else 0.001  # a zero-width ramp would divide by zero
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / span, 0, 1)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (rope.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
 
 
-def rope_rotate_half(x, positions, inv_freq):
+def _mscale(scale, mscale=1.0):
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _correction_range(rope, dim):
+    def correction_dim(rotations):
+        wavelengths = rope.original_max_position_embeddings / (rotations * 2 * math.pi)
+        return dim * math.log(wavelengths) / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def rope_rotate_half(x, positions, inv_freq, attention_factor=1.0):
     # x [T, heads, dim], positions [T]: the halves (x1, x2) rotate together (Llama / Qwen / Mixtral)
     freqs = positions[:, None].float() * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(x.dtype)[:, None, :], emb.sin().to(x.dtype)[:, None, :]
+    cos = (emb.cos() * attention_factor).to(x.dtype)[:, None, :]
+    sin = (emb.sin() * attention_factor).to(x.dtype)[:, None, :]
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rope_interleaved(x, positions, inv_freq):
+def rope_interleaved(x, positions, inv_freq, attention_factor=1.0):
     # x [T, heads, dim]: consecutive pairs (x[2i], x[2i+1]) rotate as complex numbers (DeepSeek-V2)
     freqs = positions[:, None].float() * inv_freq[None, :]
-    rotation = torch.polar(torch.ones_like(freqs), freqs)[:, None, :]
+    rotation = (torch.polar(torch.ones_like(freqs), freqs) * attention_factor)[:, None, :]
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 

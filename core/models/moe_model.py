@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from writescope.models.config import ModelConfig
-from writescope.models.layers import rms_norm, rope_interleaved, rope_inv_freq, rope_rotate_half, swiglu
+from writescope.models.layers import rms_norm, rope_frequencies, rope_interleaved, rope_rotate_half, swiglu
 
 
 class MoEModel:
@@ -24,7 +24,7 @@ class MoEModel:
         self.device = torch.device(device)
         self.w = weights
         rope_dim = config.qk_rope_head_dim if config.is_mla else config.head_dim
-        self.inv_freq = rope_inv_freq(rope_dim, config.rope_theta)
+        self.inv_freq, self.rope_factor = rope_frequencies(rope_dim, config.rope)
         self.expert_device = self._place_experts(hot_experts)
         if config.is_mla:
             self._absorb_mla()
@@ -79,7 +79,9 @@ class MoEModel:
         if cfg.arch == "qwen3_moe":
             q = rms_norm(q, self.w[p + "q_norm.weight"], cfg.rms_norm_eps)
             k = rms_norm(k, self.w[p + "k_norm.weight"], cfg.rms_norm_eps)
-        return rope_rotate_half(q, positions, self.inv_freq), [rope_rotate_half(k, positions, self.inv_freq), v]
+        rotate = rope_rotate_half
+        return rotate(q, positions, self.inv_freq, self.rope_factor), [rotate(k, positions, self.inv_freq,
+                                                                              self.rope_factor), v]
 
     def _mla_inputs(self, layer, x, positions):
         cfg, p = self.config, f"model.layers.{layer}.self_attn."
@@ -95,8 +97,8 @@ class MoEModel:
         latent, k_pe = F.linear(x, self.w[p + "kv_a_proj_with_mqa.weight"]).split(
             [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, self.w[p + "kv_a_layernorm.weight"], cfg.rms_norm_eps)
-        q_pe = rope_interleaved(q_pe, positions, self.inv_freq)
-        k_pe = rope_interleaved(k_pe[:, None, :], positions, self.inv_freq)
+        q_pe = rope_interleaved(q_pe, positions, self.inv_freq, self.rope_factor)
+        k_pe = rope_interleaved(k_pe[:, None, :], positions, self.inv_freq, self.rope_factor)
         # absorbed: q_nope . (W_UK c) == (q_nope W_UK) . c, so the query meets the latent directly
         q_latent = torch.einsum("thn,hnc->thc", q_nope, self.w[f"absorbed.{layer}.w_uk"])
         return torch.cat([q_latent, q_pe], dim=-1), [torch.cat([latent[:, None, :], k_pe], dim=-1)]

@@ -35,6 +35,13 @@ def hf_models():
             **common, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4, q_lora_rank=24,
             kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
             n_shared_experts=2, num_experts_per_tok=2, first_k_dense_replace=0)),
+        "deepseek_v2_yarn": transformers.DeepseekV2ForCausalLM(transformers.DeepseekV2Config(
+            **common, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=4, q_lora_rank=None,
+            kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+            n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=1024,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32,
+                             "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707,
+                             "original_max_position_embeddings": 128})),
         "qwen3_moe": transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
             **common, intermediate_size=96, moe_intermediate_size=32, num_key_value_heads=2, head_dim=16,
             num_experts=4, num_experts_per_tok=2, norm_topk_prob=True)),
