@@ -82,7 +82,8 @@ def main():
         json.dump({"args": vars(args), "results": results}, f, indent=2)
     print(f"\n{args.preset}, batch {args.batch} x {args.context} tokens of context, {args.new_tokens} new tokens, "
           f"{args.dtype}")
-    print("| policy | prefill s | decode tok/s | placed: cpu_compute / cpu_transfer / window | r* as context grows |")
+    print("| policy | prefill s | decode tok/s | placed: cpu_compute / cpu_transfer / window "
+          "| r* every 8 steps (online correction) |")
     print("|---|---|---|---|---|")
     for r in results:
         p = r["placed_tokens"]
