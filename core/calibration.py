@@ -80,8 +80,10 @@ def _fit(lengths, seconds) -> tuple[float, float]:
     return slope, max(t1 - slope * l1, 0.0)
 
 
-def _median_s(fn, repeats: int) -> float:
-    fn()
+def median_time_s(fn, repeats: int, warmup: int = 1) -> float:
+    """Median wall time of fn over `repeats` calls after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -103,7 +105,7 @@ def _cpu_attention_s(shape: AttentionShape, num_tokens: int, repeats: int) -> fl
     q = torch.randn(1, shape.num_q_heads, fmt.head_dim_k).to(fmt.torch_dtype)
     table = torch.arange(num_blocks, dtype=torch.int32)[None]
     lens = torch.tensor([num_tokens], dtype=torch.int32)
-    return _median_s(lambda: ops.paged_partial_attention(q, k, v, table, lens, backend="cpu"), repeats)
+    return median_time_s(lambda: ops.paged_partial_attention(q, k, v, table, lens, backend="cpu"), repeats)
 
 
 def _transfer_s(fmt: KVFormat, num_tokens: int, device: str, repeats: int) -> float:
@@ -120,7 +122,7 @@ def _transfer_s(fmt: KVFormat, num_tokens: int, device: str, repeats: int) -> fl
         if pin:
             torch.cuda.current_stream().synchronize()
 
-    return _median_s(copy, repeats)
+    return median_time_s(copy, repeats)
 
 
 def _load(path: str) -> dict:

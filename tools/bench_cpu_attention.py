@@ -21,12 +21,12 @@ import logging
 import os
 import platform
 import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
 from writescope import _cpu, ops
+from writescope.calibration import median_time_s
 
 log = logging.getLogger("bench_cpu_attention")
 
@@ -58,17 +58,6 @@ def flops(shape: Shape, seq_len: int) -> int:
     return 2 * shape.num_q_heads * seq_len * (shape.head_dim_qk + shape.head_dim_v)
 
 
-def median_time_s(fn, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def make_inputs(shape: Shape, seq_len: int):
     q = torch.randn(shape.num_q_heads, shape.head_dim_qk, dtype=torch.bfloat16)
     k = torch.randn(shape.num_kv_heads, seq_len, shape.head_dim_qk).to(torch.bfloat16)
@@ -97,13 +86,13 @@ def measure_peers(q, k, v, scale, warmup, repeats):
     }
     q32, k32, v32 = q.float(), k.float(), v.float()
     peers["sdpa_fp32"] = lambda: sdpa(q32, k32, v32, scale)
-    return {name: median_time_s(fn, warmup, repeats) for name, fn in peers.items()}
+    return {name: median_time_s(fn, repeats, warmup) for name, fn in peers.items()}
 
 
 def bench_row(shape, seq_len, roofline, args):
     q, k, v = make_inputs(shape, seq_len)
     scale = shape.head_dim_qk**-0.5
-    kernel_s = median_time_s(lambda: ops.partial_attention(q, k, v, scale=scale), args.warmup, args.repeats)
+    kernel_s = median_time_s(lambda: ops.partial_attention(q, k, v, scale=scale), args.repeats, args.warmup)
     peers = {} if args.no_peers else measure_peers(q, k, v, scale, 1, args.peer_repeats)
     nbytes, nflops = kv_bytes(shape, seq_len), flops(shape, seq_len)
     row = {
