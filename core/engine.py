@@ -69,6 +69,8 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    prefix_offset: int = 0  # incremental detokenisation: tokens before prefix_offset are settled text
+    read_offset: int = 0
 
     @property
     def seq_id(self):
@@ -237,24 +239,42 @@ class Engine:
 
     def _accept(self, request: _Request, token: int) -> StreamEvent:
         request.tokens.append(token)
+        text_before = len(request.text)
         added = self._decode_text(request)
         if token in self.config.eos_token_ids:
             request.finish_reason = "eos"
-        elif token in request.stop_ids:
-            request.finish_reason = "stop"
-        elif any(s in request.text for s in request.stop_strings):
-            request.text = request.text[: min(request.text.find(s) for s in request.stop_strings if s in request.text)]
+        elif token in request.stop_ids or (request.stop_strings and self._cut_at_stop(request, added)):
             request.finish_reason = "stop"
         elif len(request.tokens) >= request.max_new_tokens:
             request.finish_reason = "length"
-        return StreamEvent(request.index, token, added, request.finish_reason)
+        # after a stop string cut, the event carries only what is left of the new text
+        return StreamEvent(request.index, token, request.text[text_before:], request.finish_reason)
 
     def _decode_text(self, request: _Request) -> str:
+        """The text the newest token adds, decoding only the tokens since the last settled point (a
+        token that ends inside a multi-byte character adds nothing until the character completes)."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(request.tokens)
-        added, request.text = text[len(request.text):], text
+        tokens = request.tokens
+        settled = self.tokenizer.decode(tokens[request.prefix_offset:request.read_offset])
+        current = self.tokenizer.decode(tokens[request.prefix_offset:])
+        if len(current) <= len(settled) or current.endswith("\ufffd"):
+            return ""
+        added = current[len(settled):]
+        request.prefix_offset, request.read_offset = request.read_offset, len(tokens)
+        request.text += added
         return added
+
+    @staticmethod
+    def _cut_at_stop(request: _Request, added: str) -> bool:
+        """Looks for a stop string in the text's tail that the new text touches; cuts the text there."""
+        longest = max(len(s) for s in request.stop_strings)
+        start = max(0, len(request.text) - len(added) - longest + 1)
+        hits = [i for i in (request.text.find(s, start) for s in request.stop_strings) if i >= 0]
+        if not hits:
+            return False
+        request.text = request.text[: min(hits)]
+        return True
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
@@ -307,8 +327,7 @@ class Engine:
 
     def _window_write(self, step, node, qkv):
         _, stored = qkv
-        for i, seq_id in enumerate(step.seq_ids):
-            self.cache.append(seq_id, node.layer, *[s[i] for s in stored])
+        self.cache.append_batch(step.seq_ids, node.layer, stored)
 
     def _cpu_partial(self, step, node, qkv):
         """Partial over cpu_compute, on the C++ kernel: (out, lse, tokens, seconds), or None."""

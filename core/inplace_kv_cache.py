@@ -186,6 +186,30 @@ class InplaceKVCache:
         for window, array in zip(self.window, arrays, strict=True):
             window[layer, state.slot, :, state.window_len] = array[:, 0].to(window.device)
 
+    def append_batch(self, seq_ids, layer: int, stored: list[torch.Tensor]) -> None:
+        """One layer's new token of every sequence in one write per stored array: stored holds
+        k [batch, num_kv_heads, head_dim_k] (and v [batch, num_kv_heads, head_dim_v] unless V is in K)."""
+        self._check_layer(layer)
+        fmt = self.config.format
+        states = [self._state(s) for s in seq_ids]
+        for seq_id, state in zip(seq_ids, states, strict=True):
+            if len(state.prefilled_layers) != fmt.num_layers:
+                raise ValueError(f"sequence {seq_id!r} must be prefilled in every layer before decoding")
+            if state.num_tokens >= state.max_tokens:
+                raise CapacityError(f"sequence {seq_id!r} reached its admitted {state.max_tokens} tokens")
+        if len(stored) != len(fmt.stored_dims):
+            raise ValueError(f"expected {len(fmt.stored_dims)} stored arrays (K{'' if fmt.v_in_k else ', V'})")
+        for array, dim in zip(stored, fmt.stored_dims, strict=True):
+            if tuple(array.shape) != (len(seq_ids), fmt.num_kv_heads, dim) or array.dtype != fmt.torch_dtype:
+                raise ValueError(f"stored arrays must be [batch, num_kv_heads, head_dim] = "
+                                 f"{[len(seq_ids), fmt.num_kv_heads, dim]} of {fmt.dtype}, got "
+                                 f"{list(array.shape)} of {array.dtype}")
+        device = self.window[0].device
+        slots = torch.tensor([s.slot for s in states], device=device)
+        positions = torch.tensor([s.window_len for s in states], device=device)
+        for window, array in zip(self.window, stored, strict=True):
+            window[layer, slots, :, positions] = array.to(device)
+
     def commit(self, seq_ids) -> None:
         """Each sequence gained one token in every layer; full windows flush to the host."""
         for seq_id in seq_ids:

@@ -47,10 +47,14 @@ class Shadow:
             self.tokens[seq][layer] = [arrays]
 
     def step(self, seqs):
-        for seq in seqs:
-            for layer in range(self.cache.config.format.num_layers):
-                arrays = self.random_arrays(1)
-                self.cache.append(seq, layer, *[a[:, 0] for a in arrays])
+        for layer in range(self.cache.config.format.num_layers):
+            per_seq = [self.random_arrays(1) for _ in seqs]
+            if len(seqs) > 1:  # the engine's batched write
+                stored = [torch.stack([p[i][:, 0] for p in per_seq]) for i in range(len(per_seq[0]))]
+                self.cache.append_batch(seqs, layer, stored)
+            else:  # the single-sequence write
+                self.cache.append(seqs[0], layer, *[a[:, 0] for a in per_seq[0]])
+            for seq, arrays in zip(seqs, per_seq, strict=True):
                 self.tokens[seq][layer].append(arrays)
         self.cache.commit(seqs)
 

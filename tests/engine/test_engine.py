@@ -10,7 +10,7 @@ import torch
 from writescope.block_allocator import CapacityError
 from writescope.engine import Engine
 from writescope.graph import LAYER_OPS, build_decode_graph
-from writescope.models.presets import EOS_TOKEN_ID, PRESETS
+from writescope.models.presets import EOS_TOKEN_ID, PRESETS, byte_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,7 +33,8 @@ def test_presets_generate_text_from_text(preset):
     finally:
         engine.shutdown()
     assert len(out.token_ids) == 5 and out.prompt_tokens == len(b"The quick brown fox")
-    assert out.finish_reason == "length" and isinstance(out.text, str)
+    assert out.finish_reason == "length"
+    assert out.text == byte_level_tokenizer().decode(out.token_ids).rstrip("\ufffd")
 
 
 def test_stream_yields_the_tokens_generate_returns():
@@ -76,6 +77,8 @@ def test_stop_string_stop_token_and_eos():
         needle = text[len(text) // 2:][:1]
         by_text = engine.generate([[1, 2, 3, 4]], max_new_tokens=8, stop=needle)[0]
         assert by_text.finish_reason == "stop" and needle not in by_text.text
+        streamed = list(engine.generate_stream([[1, 2, 3, 4]], max_new_tokens=8, stop=needle))
+        assert "".join(e.text for e in streamed) == by_text.text
         engine.config = dataclass_replace(engine.config, eos_token_ids=(token,))
         by_eos = engine.generate([[1, 2, 3, 4]], max_new_tokens=8)[0]
         assert by_eos.finish_reason == "eos" and by_eos.token_ids[-1] == token
