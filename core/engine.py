@@ -24,7 +24,7 @@ import torch
 
 from writescope import ops
 from writescope.block_allocator import CapacityError
-from writescope.executor import make_executor
+from writescope.executor import EXECUTORS, make_executor, merge_all
 from writescope.graph import DecodeGraph, build_decode_graph
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.models.checkpoint import load_config, load_weights
@@ -33,6 +33,7 @@ from writescope.models.layers import causal_attention
 from writescope.models.moe_model import MoEModel
 from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
 from writescope.policies import POLICY_NAMES, Policy, make_policy
+from writescope.topology import topology
 
 log = logging.getLogger(__name__)
 
@@ -114,11 +115,16 @@ class Engine:
     def from_pretrained(cls, path_or_preset: str, *, policy: str = "writescope", executor: str = "local",
                         dtype=None, window_tokens: int = 256, max_batch_size: int = 8, max_seq_len: int = 4096,
                         block_size: int = 16, device: str = "cpu", hot_experts: int | None = None,
-                        num_shards: int = 1, pingpong_blocks: int = 256, seed: int = 0) -> Engine:
-        """A preset name (PRESETS) or a local Hugging Face checkpoint directory."""
+                        num_shards: int | None = None, pingpong_blocks: int = 256, seed: int = 0,
+                        executor_options: dict | None = None) -> Engine:
+        """A preset name (PRESETS) or a local Hugging Face checkpoint directory. num_shards: cpu_compute
+        shards (default: 1 for the local executor, one per NUMA node for ray); executor_options go to
+        the executor (ray: `nodes`, a list of topology.NumaNode)."""
+        executor_options = dict(executor_options or {})
         if policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}")
-        make_executor(executor).shutdown()  # an unknown executor fails here, before anything is allocated
+        if executor not in EXECUTORS:  # before anything is allocated
+            raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
         torch_dtype = _torch_dtype(dtype)
         if os.path.isdir(path_or_preset):
             config = load_config(path_or_preset)
@@ -136,15 +142,23 @@ class Engine:
                              f"presets: {', '.join(PRESETS)}")
         weights = {name: w.to(device) for name, w in weights.items()}
         model = MoEModel(config, weights, device=device, hot_experts=hot_experts)
+        if num_shards is None:
+            num_shards = len(executor_options.setdefault("nodes", topology())) if executor == "ray" else 1
         kv_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
         fmt = config.kv_format(kv_dtype, block_size)
         blocks = max_batch_size * -(-max_seq_len // block_size)
         cache_config = CacheConfig(fmt, compute_blocks_per_shard=-(-blocks // num_shards), transfer_blocks=blocks,
                                    max_seqs=max_batch_size, pingpong_blocks=min(pingpong_blocks, max(blocks, 1)),
                                    num_shards=num_shards, window_tokens=window_tokens, device=device)
-        executor_obj = make_executor(executor)
+        executor_obj = make_executor(executor, **executor_options)
         policy_obj = make_policy(policy, _calibrated_model(config, fmt, device) if policy == "writescope" else None)
         cache = InplaceKVCache(cache_config, policy_obj)
+        try:
+            executor_obj.bind_cache(cache)
+        except BaseException:
+            cache.close()  # the shared-memory regions must not outlive a failed construction
+            executor_obj.shutdown()
+            raise
         return cls(model, tokenizer, policy=policy_obj, cache=cache, executor=executor_obj,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len)
 
@@ -330,18 +344,10 @@ class Engine:
         self.cache.append_batch(step.seq_ids, node.layer, stored)
 
     def _cpu_partial(self, step, node, qkv):
-        """Partial over cpu_compute, on the C++ kernel: (out, lse, tokens, seconds), or None."""
+        """Partial over cpu_compute, on the executor's CPU side: (out, lse, tokens, seconds), or None."""
         if self.policy.ships_cpu_compute:
             return None
-        q = qkv[0].to("cpu")
-        began = time.perf_counter()
-        parts = []
-        for shard in range(self.cache.config.num_shards):
-            source = self.cache.compute_source(node.layer, step.seq_ids, shard)
-            parts.append((ops.multi_source_partial_attention(q, [source], scale=self.config.attention_scale,
-                                                             backend="cpu"), int(source.seq_lens.sum())))
-        out, lse = _merge_all([p[0] for p in parts])
-        return out, lse, sum(p[1] for p in parts), time.perf_counter() - began
+        return self.executor.cpu_partial(node.layer, qkv[0].to("cpu"), step.seq_ids, self.config.attention_scale)
 
     def _device_partial(self, step, node, qkv, _written, _transfer_started):
         """Partial over the window (with this step's token), the ping-pong chunks of cpu_transfer and,
@@ -359,7 +365,7 @@ class Engine:
                 source = self.cache.shipped_compute_source(node.layer, step.seq_ids, shard)
                 partials.append(ops.multi_source_partial_attention(q, [source], scale=self.config.attention_scale,
                                                                    backend=self._device_backend))
-        out, lse = _merge_all(partials)
+        out, lse = merge_all(partials)
         return out, lse, transfer_tokens, transfer_s
 
     def _merge(self, step, node, cpu, device):
@@ -368,7 +374,7 @@ class Engine:
             return out
         cpu_out, cpu_lse, cpu_tokens, cpu_s = cpu
         self.policy.observe_step(cpu_tokens, cpu_s, transfer_tokens, transfer_s)
-        merged, _ = _merge_all([(cpu_out.to(out.device), cpu_lse.to(out.device)), (out, lse)])
+        merged, _ = merge_all([(cpu_out.to(out.device), cpu_lse.to(out.device)), (out, lse)])
         return merged
 
     def _out_proj(self, step, node, attention, hidden):
@@ -396,12 +402,6 @@ class Engine:
             keep = torch.cumsum(sorted_probs, dim=0) - sorted_probs < request.top_p
             probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
         return int(torch.multinomial(probs / probs.sum(), 1, generator=request.generator))
-
-
-def _merge_all(partials):
-    if len(partials) == 1:
-        return partials[0]
-    return ops.merge_partials(torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]))
 
 
 def _load_tokenizer(path: str):

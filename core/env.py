@@ -49,4 +49,10 @@ CACHE_DIR = EnvVar(
     "a writable directory",
 )
 
-ALL = (CPU_VARIANT, NUM_THREADS, TRITON_INTERPRET, CACHE_DIR)
+NUMA_NODES = EnvVar(
+    "WRITESCOPE_NUMA_NODES",
+    "Emulates this many NUMA nodes by splitting the CPUs (default: the host's real topology).",
+    "a positive integer, at most the number of CPUs",
+)
+
+ALL = (CPU_VARIANT, NUM_THREADS, TRITON_INTERPRET, CACHE_DIR, NUMA_NODES)

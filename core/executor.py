@@ -4,20 +4,43 @@ device nodes that do not depend on them."""
 
 from __future__ import annotations
 
+import importlib
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+import torch
+
+from writescope import ops
 from writescope.graph import DecodeGraph, Node
 
 Binding = Callable[..., Any]  # (step, node, *input values) -> value
 
 
 class LocalExecutor:
+    """CPU partials in this process, on the C++ kernel's own pool."""
+
     name = "local"
 
     def __init__(self):
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writescope-cpu-partial")
+        self.cache = None
+
+    def bind_cache(self, cache) -> None:
+        self.cache = cache
+
+    def cpu_partial(self, layer: int, q, seq_ids, scale: float):
+        """Partial over the batch's cpu_compute tokens, every shard: (out, lse, tokens, kernel seconds)."""
+        parts, tokens, seconds = [], 0, 0.0
+        for shard in range(self.cache.config.num_shards):
+            source = self.cache.compute_source(layer, seq_ids, shard)
+            began = time.perf_counter()
+            parts.append(ops.multi_source_partial_attention(q, [source], scale=scale, backend="cpu"))
+            seconds += time.perf_counter() - began
+            tokens += int(source.seq_lens.sum())
+        out, lse = merge_all(parts)
+        return out, lse, tokens, seconds
 
     def run(self, graph: DecodeGraph, bindings: dict[str, Binding], step: Any) -> dict[str, Any]:
         values: dict[str, Any] = {}
@@ -40,15 +63,29 @@ def _resolve(value):
     return value.result() if isinstance(value, Future) else value
 
 
+def merge_all(partials):
+    """One partial from several (out, lse) partials of disjoint parts."""
+    if len(partials) == 1:
+        return partials[0]
+    return ops.merge_partials(torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]))
+
+
 EXECUTORS = ("local", "ray")
+# Executors outside core register here; "ray" lives in writescope.actors (core imports no Ray).
+_PLUGINS = {"ray": "writescope.actors.ray_executor"}
+_FACTORIES: dict[str, Callable] = {"local": LocalExecutor}
 
 
-def make_executor(name: str):
-    if name == "local":
-        return LocalExecutor()
-    if name == "ray":
-        raise ValueError("executor 'ray' comes with writescope.actors (the Ray runtime); use 'local' for now")
-    raise ValueError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
+def register_executor(name: str, factory: Callable) -> None:
+    _FACTORIES[name] = factory
 
 
-__all__ = ["LocalExecutor", "Node", "make_executor"]
+def make_executor(name: str, **options):
+    if name not in EXECUTORS:
+        raise ValueError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
+    if name not in _FACTORIES:
+        importlib.import_module(_PLUGINS[name])  # registers itself
+    return _FACTORIES[name](**options)
+
+
+__all__ = ["LocalExecutor", "Node", "make_executor", "merge_all", "register_executor"]

@@ -1,0 +1,62 @@
+"""NUMA topology of this host, or an emulated one that splits its CPUs into equal nodes (so
+multi-node behaviour runs and is tested on a one-node machine)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from writescope import env
+
+SYS_NODES = "/sys/devices/system/node"
+
+
+@dataclass(frozen=True)
+class NumaNode:
+    index: int
+    cpus: tuple[int, ...]
+    emulated: bool = False
+
+
+def parse_cpulist(text: str) -> tuple[int, ...]:
+    """"0-3,8,10-11" -> (0, 1, 2, 3, 8, 10, 11)."""
+    cpus = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return tuple(cpus)
+
+
+def read_topology(root: str = SYS_NODES) -> list[NumaNode]:
+    """The host's NUMA nodes with the CPUs this process may use; one node when sysfs has none."""
+    allowed = set(os.sched_getaffinity(0))
+    nodes = []
+    if os.path.isdir(root):
+        for name in sorted(os.listdir(root)):
+            if name.startswith("node") and name[4:].isdigit():
+                with open(os.path.join(root, name, "cpulist")) as f:
+                    cpus = tuple(c for c in parse_cpulist(f.read()) if c in allowed)
+                if cpus:
+                    nodes.append(NumaNode(int(name[4:]), cpus))
+    return nodes or [NumaNode(0, tuple(sorted(allowed)))]
+
+
+def emulated_topology(num_nodes: int) -> list[NumaNode]:
+    """This process's CPUs split into num_nodes contiguous groups of (nearly) equal size."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not 1 <= num_nodes <= len(cpus):
+        raise ValueError(f"cannot emulate {num_nodes} NUMA nodes on {len(cpus)} CPUs: allowed 1 to {len(cpus)}")
+    bounds = [round(i * len(cpus) / num_nodes) for i in range(num_nodes + 1)]
+    return [NumaNode(i, tuple(cpus[bounds[i]:bounds[i + 1]]), emulated=True) for i in range(num_nodes)]
+
+
+def topology() -> list[NumaNode]:
+    """`WRITESCOPE_NUMA_NODES=n` emulates n nodes; otherwise the host's."""
+    value = env.NUMA_NODES.get()
+    if value is None:
+        return read_topology()
+    if not value.isdigit():
+        raise ValueError(f"{env.NUMA_NODES.name} must be a positive integer, got {value!r}")
+    return emulated_topology(int(value))
