@@ -14,6 +14,7 @@ Part 2: the same CPUWorker.partial call (q of 32 heads, a 32K-token table) bound
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -50,7 +51,11 @@ def round_trips_ms(repeats: int) -> dict:
         def partial(self, q, table, lens):  # the exchange of a CPU partial: q in, (out, lse) back
             return np.zeros((q.shape[0], q.shape[1], 128), np.float32), np.zeros(q.shape[:2], np.float32)
 
+        def pid(self):
+            return os.getpid()
+
     actor = Echo.remote()
+    pids = [os.getpid(), ray.get(actor.pid.remote())]
     q = np.zeros((1, 32, 128), np.float32)
     table = np.arange(2048, dtype=np.int32)[None]
     lens = np.array([32768], np.int32)
@@ -72,7 +77,16 @@ def round_trips_ms(repeats: int) -> dict:
             times.append((time.perf_counter() - start) * 1e3)
     finally:
         compiled.teardown(kill_actors=True)
+        remove_graph_semaphores(pids)
     return {"plain_ms": statistics.median(plain), "compiled_graph_ms": statistics.median(times)}
+
+
+def remove_graph_semaphores(pids) -> None:
+    """Compiled graphs leave POSIX semaphores (/dev/shm/sem.hdr<pid>-*, sem.obj<pid>-*) behind."""
+    for name in os.listdir("/dev/shm"):
+        if any(name.startswith((f"sem.hdr{pid}-", f"sem.obj{pid}-")) for pid in pids):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join("/dev/shm", name))
 
 
 def main():
