@@ -375,16 +375,16 @@ class InplaceKVCache:
         """The monolithic baseline: the cpu_compute blocks of seq_ids copied whole to the device from
         unpinned memory (one gather and one pageable copy per step), as a paged source there."""
         source = self.compute_source(layer, seq_ids, shard)
-        blocks = sorted({int(b) for row, n in zip(source.block_table, source.seq_lens, strict=True)
-                         for b in row[: int(n) // self.block_size]})
-        index = torch.tensor(blocks, dtype=torch.long)
+        per_seq = [self._state(s).region_blocks.get((Region.CPU_COMPUTE, shard), []) for s in seq_ids]
+        index = torch.tensor([b for blocks in per_seq for b in blocks], dtype=torch.long)  # disjoint per sequence
         device = self.window[0].device
         k = source.k_cache.index_select(0, index).to(device)
         v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else \
             source.v_cache.index_select(0, index).to(device)
-        remap = {block: i for i, block in enumerate(blocks)}
-        lists = [[remap[int(b)] for b in row[: int(n) // self.block_size]]
-                 for row, n in zip(source.block_table, source.seq_lens, strict=True)]
+        lists, start = [], 0
+        for blocks in per_seq:  # each sequence's blocks are consecutive in the shipped copy
+            lists.append(list(range(start, start + len(blocks))))
+            start += len(blocks)
         return KVSource(k, v, *self._table(lists, device))
 
     def sequence_kv(self, seq_id, layer: int) -> list[torch.Tensor]:

@@ -120,7 +120,7 @@ def merge_partials(outs, lses, *, backend="torch"):
         raise ValueError(f"outs and lses must be contiguous for the {backend} backend")
     if backend == "triton":
         return _merge_flattened(outs, lses, _triton_module().merge_partials)
-    return _cpu_merge_partials(outs, lses)
+    return _merge_flattened(outs, lses, _cpu_merge_rows)
 
 
 def _check_backend(backend):
@@ -269,6 +269,3 @@ def _cpu_merge_rows(outs, lses):
     _cpu_module().merge_partials(_as_numpy(outs), _as_numpy(lses), out.numpy(), lse.numpy())
     return out, lse
 
-
-def _cpu_merge_partials(outs, lses):
-    return _merge_flattened(outs, lses, _cpu_merge_rows)
