@@ -2,7 +2,7 @@
 
 import platform
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
 
 CPP_SOURCES = [
@@ -16,6 +16,9 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     # Compiled at the baseline target: their SIMD code carries its own target pragma and is
     # only called after runtime CPU detection.
     CPP_SOURCES += ["cpp/src/kernels_avx2.cpp", "cpp/src/kernels_avx512.cpp", "cpp/src/kernels_avx512bf16.cpp"]
+
+# Compiles the sources in parallel (one job per core, or WRITESCOPE_BUILD_JOBS).
+ParallelCompile("WRITESCOPE_BUILD_JOBS").install()
 
 extension = Pybind11Extension(
     "writescope._cpu",

@@ -1,17 +1,35 @@
 #!/usr/bin/env bash
 # One prepared GPU check (run on the device machine, from the repository root): builds the
-# extension with the machine's own Python (it has torch, triton, pybind11, pytest; nothing can be
-# fetched there), runs the tests marked gpu (compiled Triton on CUDA) and the GPU benchmark, and
-# writes everything under $OUT. Well inside 10 minutes on an H200.
-set -euo pipefail
+# extension with the machine's own Python (it has torch, triton, pybind11, pytest, transformers;
+# nothing can be fetched there and it has no Ray), runs the tests marked gpu (compiled Triton on
+# CUDA, engine parity on cuda), the GPU attention benchmark, the end-to-end benchmark on cuda, and
+# the CPU-side suites with CUDA present (pinned regions). Each step has its own time cap and a
+# failing step does not stop the later ones; $OUT/summary.txt says how each ended.
+set -uo pipefail
 OUT=${OUT:-bench_results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
-python3 -m pip install --quiet --no-index --no-deps --no-build-isolation -e . 2>&1 | tee "$OUT/install.log"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.csv"
-python3 -m pytest -q -m gpu -p no:cacheprovider tests/core/test_triton_attention.py tests/engine/test_parity.py \
-    2>&1 | tee "$OUT/gpu_tests.log"
-python3 tools/bench_gpu_attention.py --out "$OUT/gpu_attention.json" 2>&1 | tee "$OUT/gpu_bench.log"
-python3 tools/bench_e2e.py --device cuda --contexts 8192 32768 --batches 4 --out "$OUT/e2e.json" 2>&1 \
-    | tee "$OUT/e2e.log"
+
+step() {  # step NAME CAP_S COMMAND...: runs COMMAND under a time cap, logs to $OUT/NAME.log
+    local name=$1 cap=$2
+    shift 2
+    local begin=$SECONDS
+    timeout "$cap" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "$name rc=$rc ${cap}s-cap took=$((SECONDS - begin))s" | tee -a "$OUT/summary.txt"
+    tail -n 25 "$OUT/$name.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/summary.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__)" | tee -a "$OUT/summary.txt"
+step install 150 python3 -m pip install --no-index --no-deps --no-build-isolation -e .
+step gpu_tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 60 \
+    tests/core/test_triton_attention.py tests/engine/test_parity.py
+step gpu_bench 60 python3 tools/bench_gpu_attention.py --repeats 20 --out "$OUT/gpu_attention.json"
+step e2e 90 python3 tools/bench_e2e.py --device cuda --contexts 8192 32768 --batches 4 --new-tokens 8 \
+    --out "$OUT/e2e.json"
+step cpu_suites_with_cuda 60 python3 -m pytest -q -x -p no:cacheprovider --timeout 60 -m "not gpu and not ray" \
+    tests/core/test_kv_regions.py tests/core/test_inplace_kv_cache.py tests/core/test_calibration.py
+exit 0
