@@ -3,7 +3,8 @@
 # extension with the machine's own Python (it has torch, triton, pybind11, pytest, transformers;
 # nothing can be fetched there and it has no Ray), runs the tests marked gpu (compiled Triton on
 # CUDA, engine parity on cuda), the GPU attention benchmark, the end-to-end benchmark on cuda, and
-# the CPU-side suites with CUDA present (pinned regions). Each step has its own time cap and a
+# the CPU-side suites with CUDA present (pinned regions). Arguments name the steps to run (the
+# install always runs): `bash tools/gpu_check.sh gpu_tests e2e`. Each step has its own time cap and a
 # failing step does not stop the later ones; $OUT/summary.txt says how each ended.
 set -uo pipefail
 OUT=${OUT:-bench_results}
@@ -11,9 +12,12 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
 
+ONLY=" $* "  # step names to run (all when none): `bash tools/gpu_check.sh gpu_tests e2e`
+
 step() {  # step NAME CAP_S COMMAND...: runs COMMAND under a time cap, logs to $OUT/NAME.log
     local name=$1 cap=$2
     shift 2
+    if [[ "$ONLY" != "  " && "$ONLY" != *" $name "* && $name != install ]]; then return; fi
     local begin=$SECONDS
     timeout "$cap" "$@" >"$OUT/$name.log" 2>&1
     local rc=$?

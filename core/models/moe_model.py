@@ -24,7 +24,8 @@ class MoEModel:
         self.device = torch.device(device)
         self.w = weights
         rope_dim = config.qk_rope_head_dim if config.is_mla else config.head_dim
-        self.inv_freq, self.rope_factor = rope_frequencies(rope_dim, config.rope)
+        inv_freq, self.rope_factor = rope_frequencies(rope_dim, config.rope)
+        self.inv_freq = inv_freq.to(self.device)  # [rope_dim / 2], beside the positions it multiplies
         self.expert_device = self._place_experts(hot_experts)
         if config.is_mla:
             self._absorb_mla()
