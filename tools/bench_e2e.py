@@ -1,9 +1,10 @@
 """End-to-end decode speed: every policy of the engine against transformers' generate on the same
 weights, in the same run.
 
-For each context length and batch size: the engine's decode tok/s (tokens after the first, over the
-time after the first token) under every policy, and transformers' (`generate`, greedy, its default
-dynamic cache) measured as (time of N new tokens - time of 1) per token. The preset's weights are
+For each context length and batch size: decode tok/s = batch / the median decode step time, for the
+engine under every policy and for transformers (`generate`, greedy, its default dynamic cache). The
+first WARMUP_STEPS steps of each are left out: they pay one-time costs (Triton compiling kernels for
+new shapes, CUDA's first launches) that would otherwise decide the ranking by run order. The preset's weights are
 saved as a Hugging Face checkpoint first, and both sides load that directory.
 
     python tools/bench_e2e.py --out bench_results/e2e.json
@@ -15,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import tempfile
 import time
 
@@ -26,6 +28,15 @@ from writescope.models.presets import PRESETS, preset_config, preset_weights
 from writescope.policies import POLICY_NAMES
 
 log = logging.getLogger("bench_e2e")
+WARMUP_STEPS = 2
+
+
+def median_step_tok_s(step_ends: list[float], batch: int) -> float:
+    """batch / the median gap between consecutive decode-step ends, leaving the first WARMUP_STEPS out."""
+    gaps = [b - a for a, b in zip(step_ends, step_ends[1:], strict=False)][WARMUP_STEPS:]
+    if not gaps:
+        raise ValueError(f"need more than {WARMUP_STEPS + 1} decode steps: raise --new-tokens")
+    return batch / statistics.median(gaps)
 
 
 def save_preset(preset: str, path: str) -> None:
@@ -40,12 +51,11 @@ def engine_tok_s(path, policy, prompts, new_tokens, dtype, device="cpu") -> dict
     engine = Engine.from_pretrained(path, policy=policy, dtype=dtype, max_batch_size=len(prompts),
                                     max_seq_len=len(prompts[0]) + new_tokens, device=device)
     try:
-        started, first = time.perf_counter(), None
+        started, step_ends = time.perf_counter(), []
         for count, _ in enumerate(engine.generate_stream(prompts, max_new_tokens=new_tokens), start=1):
-            if count == len(prompts):  # every sequence has its first token: prefill is over
-                first = time.perf_counter()
-        decode_s = time.perf_counter() - first
-        return {"prefill_s": first - started, "decode_tok_s": len(prompts) * (new_tokens - 1) / decode_s}
+            if count % len(prompts) == 0:  # the first: every sequence prefilled; then one per decode step
+                step_ends.append(time.perf_counter())
+        return {"prefill_s": step_ends[0] - started, "decode_tok_s": median_step_tok_s(step_ends, len(prompts))}
     finally:
         engine.shutdown()
 
@@ -73,8 +83,7 @@ def transformers_tok_s(path, prompts, new_tokens, dtype, device="cpu") -> dict:
         started = time.perf_counter()
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                        logits_processor=transformers.LogitsProcessorList([clock]))
-    first, last = clock.times[0], clock.times[-1]
-    return {"prefill_s": first - started, "decode_tok_s": len(prompts) * (new_tokens - 1) / (last - first)}
+    return {"prefill_s": clock.times[0] - started, "decode_tok_s": median_step_tok_s(clock.times, len(prompts))}
 
 
 def main():

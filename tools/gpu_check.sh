@@ -32,7 +32,7 @@ step install 150 python3 -m pip install --no-index --no-deps --no-build-isolatio
 step gpu_tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 60 \
     tests/core/test_triton_attention.py tests/engine/test_parity.py
 step gpu_bench 60 python3 tools/bench_gpu_attention.py --repeats 20 --out "$OUT/gpu_attention.json"
-step e2e 90 python3 tools/bench_e2e.py --device cuda --contexts 8192 32768 --batches 4 --new-tokens 8 \
+step e2e 200 python3 tools/bench_e2e.py --device cuda --contexts 8192 32768 --batches 1 4 --new-tokens 12 \
     --out "$OUT/e2e.json"
 step cpu_suites_with_cuda 60 python3 -m pytest -q -x -p no:cacheprovider --timeout 60 -m "not gpu and not ray" \
     tests/core/test_kv_regions.py tests/core/test_inplace_kv_cache.py tests/core/test_calibration.py
