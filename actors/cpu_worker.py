@@ -1,18 +1,19 @@
 """The CPU worker: one Ray actor per NUMA node, computing the CPU partials over its node's
-cpu_compute shard.
+cpu_compute shard, served over a shared-memory channel (writescope.actors.channel) to the GPU worker.
+On a real (not emulated) NUMA node the shard's pages are bound to the node's memory (mbind) and
+touched before the first KV is written.
 
-Authoritative state: none. The shard's bytes live in shared memory owned by the engine (the cache),
-so a worker that crashes loses nothing. Rebuilt on (re)start: the pinning of the process and of the
-kernel's thread pool to the node's CPUs, and the attachment of the shard from its handle.
+Authoritative state: none. The shard's bytes and the channel's segment live in shared memory owned
+by the region owner, so a worker that crashes loses nothing. Rebuilt on (re)start: the pinning of
+the process and of the kernel's thread pool to the node's CPUs, the attachment (and binding) of the
+shard from its handle, and the channel's listening socket (the GPU worker reconnects and resends).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import time
 
-import numpy as np
 import ray
 
 from writescope.topology import NumaNode
@@ -26,36 +27,47 @@ def _pin_all_threads(cpus) -> None:
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class CPUWorker:
-    def __init__(self, node: NumaNode, shard_handle: bytes, head_dim_v: int):
+    def __init__(self, node: NumaNode, shard_handle: bytes, channel):
         # Imported here, in the worker: Ray pickles this class by value, and its globals with it.
         from writescope import _cpu
+        from writescope.actors.channel import PartialServer
         from writescope.kv_regions import HostRegion
 
-        _pin_all_threads(node.cpus)  # the threads Ray started before us too
+        _pin_all_threads(node.cpus)  # the threads Ray started before us; later ones inherit the mask
         _cpu.set_num_threads(len(node.cpus), list(node.cpus))  # the kernel's pool, one worker per CPU
         self.node = node
         self.region = HostRegion.attach(shard_handle)
-        self.head_dim_v = head_dim_v
+        if not node.emulated:  # a real node: the shard's pages on its memory, before any KV is written
+            from writescope.numa_memory import bind_to_node
 
-    def partial(self, layer: int, q: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray, scale: float):
-        """q [num_seqs, num_q_heads, head_dim_qk] float32 -> (out, lse, kernel seconds) as numpy arrays."""
-        import torch
+            bind_to_node(self.region.address, self.region.size_bytes, node.index)
+        self.server = PartialServer(channel, self._partial, num_layers=self.region.handle.format.num_layers)
 
+    def _partial(self, layer, q, block_table, seq_lens, scale):
+        """q [num_seqs, num_q_heads, head_dim_qk] float32 -> out [num_seqs, num_q_heads, head_dim_v], lse."""
         from writescope import ops
 
         k = self.region.k[layer].permute(1, 0, 2, 3)  # [num_blocks, num_kv_heads, block_size, head_dim_k]
         v = self.region.v[layer].permute(1, 0, 2, 3)
-        began = time.perf_counter()
-        out, lse = ops.paged_partial_attention(torch.from_numpy(q), k, v, torch.from_numpy(block_table),
-                                               torch.from_numpy(seq_lens), scale=scale, backend="cpu")
-        return out.numpy(), lse.numpy(), time.perf_counter() - began
+        return ops.paged_partial_attention(q, k, v, block_table, seq_lens, scale=scale, backend="cpu")
 
     def thread_affinities(self) -> dict[int, list[int]]:
         """CPU sets of every thread of this process, read by thread id (for checks from outside)."""
         return {int(tid): sorted(os.sched_getaffinity(int(tid))) for tid in os.listdir("/proc/self/task")}
 
+    def shard_page_nodes(self) -> list[int]:
+        """The NUMA node of each page of this worker's shard (for checks from outside)."""
+        from writescope.numa_memory import page_nodes
+
+        return page_nodes(self.region.address, self.region.size_bytes)
+
     def pid(self) -> int:
         return os.getpid()
 
     def check_health(self) -> bool:
-        return self.region.k.numel() >= 0
+        """The shard is mapped and the channel's thread is serving."""
+        return self.region.k.numel() >= 0 and self.server.serving()
+
+    def shutdown(self) -> None:
+        self.server.close()
+        self.region.close()

@@ -24,7 +24,7 @@ import torch
 
 from writescope import ops
 from writescope.block_allocator import CapacityError
-from writescope.executor import EXECUTORS, make_executor, merge_all
+from writescope.executor import check_executor, engine_factory, make_executor, merge_all
 from writescope.graph import DecodeGraph, build_decode_graph
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.models.checkpoint import load_config, load_weights
@@ -33,7 +33,6 @@ from writescope.models.layers import causal_attention
 from writescope.models.moe_model import MoEModel
 from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
 from writescope.policies import POLICY_NAMES, Policy, make_policy
-from writescope.topology import topology
 
 log = logging.getLogger(__name__)
 
@@ -112,54 +111,44 @@ class Engine:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pretrained(cls, path_or_preset: str, *, policy: str = "writescope", executor: str = "local",
+    def from_pretrained(cls, path_or_preset: str, *, policy: str | Policy = "writescope", executor: str = "local",
                         dtype=None, window_tokens: int = 256, max_batch_size: int = 8, max_seq_len: int = 4096,
                         block_size: int = 16, device: str = "cpu", hot_experts: int | None = None,
                         num_shards: int | None = None, pingpong_blocks: int = 256, seed: int = 0,
-                        executor_options: dict | None = None) -> Engine:
-        """A preset name (PRESETS) or a local Hugging Face checkpoint directory. num_shards: cpu_compute
-        shards (default: 1 for the local executor, one per NUMA node for ray); executor_options go to
-        the executor (ray: `nodes`, a list of topology.NumaNode)."""
+                        executor_options: dict | None = None, region_handles=None):
+        """A preset name (PRESETS) or a local Hugging Face checkpoint directory. policy: a name from
+        POLICY_NAMES or a Policy object. num_shards: cpu_compute shards (default: 1 for the local
+        executor, one per NUMA node for ray); executor_options go to the executor (ray: `nodes`, a list
+        of topology.NumaNode). executor="ray" returns a `writescope.actors.RayEngine` with this API,
+        whose GPU worker runs an Engine. region_handles: ([cpu_compute shard handle bytes],
+        cpu_transfer handle bytes) of regions created elsewhere, attached instead of created."""
         executor_options = dict(executor_options or {})
-        if policy not in POLICY_NAMES:
+        if not isinstance(policy, Policy) and policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}")
-        if executor not in EXECUTORS:  # before anything is allocated
-            raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
-        torch_dtype = _torch_dtype(dtype)
-        if os.path.isdir(path_or_preset):
-            config = load_config(path_or_preset)
-            torch_dtype = torch_dtype or _torch_dtype(config.dtype if config.dtype in ("float32", "bfloat16",
-                                                                                     "float16") else "float32")
-            weights = load_weights(path_or_preset, config, torch_dtype)
-            tokenizer = _load_tokenizer(path_or_preset)
-        elif path_or_preset in PRESETS:
-            config = preset_config(path_or_preset)
-            torch_dtype = torch_dtype or torch.float32
-            weights = preset_weights(config, torch_dtype, seed)
-            tokenizer = byte_level_tokenizer()
-        else:
-            raise ValueError(f"{path_or_preset!r} is neither a checkpoint directory nor a preset; "
-                             f"presets: {', '.join(PRESETS)}")
+        check_executor(executor)  # before anything is allocated
+        options = dict(policy=policy, dtype=dtype, window_tokens=window_tokens, max_batch_size=max_batch_size,
+                       max_seq_len=max_seq_len, block_size=block_size, device=device, hot_experts=hot_experts,
+                       num_shards=num_shards, pingpong_blocks=pingpong_blocks, seed=seed)
+        if engine_factory(executor) is not None:
+            return engine_factory(executor)(path_or_preset, executor_options=executor_options, **options)
+        config, weights, tokenizer, torch_dtype = load_model(path_or_preset, dtype, seed)
         weights = {name: w.to(device) for name, w in weights.items()}
         model = MoEModel(config, weights, device=device, hot_experts=hot_experts)
-        if num_shards is None:
-            num_shards = len(executor_options.setdefault("nodes", topology())) if executor == "ray" else 1
-        kv_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
-        fmt = config.kv_format(kv_dtype, block_size)
-        blocks = max_batch_size * -(-max_seq_len // block_size)
-        cache_config = CacheConfig(fmt, compute_blocks_per_shard=-(-blocks // num_shards), transfer_blocks=blocks,
-                                   max_seqs=max_batch_size, pingpong_blocks=min(pingpong_blocks, max(blocks, 1)),
-                                   num_shards=num_shards, window_tokens=window_tokens, device=device)
+        cache_config = engine_cache_config(config, torch_dtype, block_size=block_size, max_batch_size=max_batch_size,
+                                           max_seq_len=max_seq_len, num_shards=num_shards or 1,
+                                           window_tokens=window_tokens, pingpong_blocks=pingpong_blocks, device=device)
         executor_obj = make_executor(executor, **executor_options)
-        policy_obj = make_policy(policy, _calibrated_model(config, fmt, device) if policy == "writescope" else None)
-        cache = InplaceKVCache(cache_config, policy_obj)
+        if not isinstance(policy, Policy):
+            model_fit = calibrated_model(config, cache_config.format, device) if policy == "writescope" else None
+            policy = make_policy(policy, model_fit)
+        cache = InplaceKVCache(cache_config, policy, region_handles=region_handles)
         try:
             executor_obj.bind_cache(cache)
         except BaseException:
             cache.close()  # the shared-memory regions must not outlive a failed construction
             executor_obj.shutdown()
             raise
-        return cls(model, tokenizer, policy=policy_obj, cache=cache, executor=executor_obj,
+        return cls(model, tokenizer, policy=policy, cache=cache, executor=executor_obj,
                    max_batch_size=max_batch_size, max_seq_len=max_seq_len)
 
     def shutdown(self) -> None:
@@ -318,6 +307,7 @@ class Engine:
             self._graphs[len(running)] = build_decode_graph(self.config.num_layers, len(running))
         graph = self._graphs[len(running)]
         values = self.executor.run(graph, self._bindings(), step)
+        self.policy.end_step()
         logits = values["logits"]
         tokens = [self._sample(r, logits[i]) for i, r in enumerate(running)]
         self.stats["steps"] += 1
@@ -414,7 +404,44 @@ def _load_tokenizer(path: str):
     return Tokenizer.from_file(file)
 
 
-def _calibrated_model(config: ModelConfig, fmt, device: str):
+def load_model(path_or_preset: str, dtype=None, seed: int = 0):
+    """(ModelConfig, weights on the CPU, tokenizer or None, torch dtype) of a checkpoint directory or preset."""
+    config, torch_dtype = load_model_config(path_or_preset, dtype)
+    if os.path.isdir(path_or_preset):
+        return config, load_weights(path_or_preset, config, torch_dtype), _load_tokenizer(path_or_preset), torch_dtype
+    return config, preset_weights(config, torch_dtype, seed), byte_level_tokenizer(), torch_dtype
+
+
+def load_model_config(path_or_preset: str, dtype=None) -> tuple[ModelConfig, torch.dtype]:
+    """The ModelConfig and KV dtype alone (no weights): what sizing the regions needs."""
+    torch_dtype = _torch_dtype(dtype)
+    if os.path.isdir(path_or_preset):
+        config = load_config(path_or_preset)
+        default = config.dtype if config.dtype in ("float32", "bfloat16", "float16") else "float32"
+        return config, torch_dtype or _torch_dtype(default)
+    if path_or_preset in PRESETS:
+        return preset_config(path_or_preset), torch_dtype or torch.float32
+    raise ValueError(f"{path_or_preset!r} is neither a checkpoint directory nor a preset; "
+                     f"presets: {', '.join(PRESETS)}")
+
+
+def kv_format(config: ModelConfig, torch_dtype, block_size: int):
+    kv_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
+    return config.kv_format(kv_dtype, block_size)
+
+
+def engine_cache_config(config: ModelConfig, torch_dtype, *, block_size: int, max_batch_size: int, max_seq_len: int,
+                        num_shards: int, window_tokens: int, pingpong_blocks: int, device: str) -> CacheConfig:
+    """Regions sized so that max_batch_size sequences of max_seq_len fit under any policy."""
+    fmt = kv_format(config, torch_dtype, block_size)
+    blocks = max_batch_size * -(-max_seq_len // block_size)
+    return CacheConfig(fmt, compute_blocks_per_shard=-(-blocks // num_shards), transfer_blocks=blocks,
+                       max_seqs=max_batch_size, pingpong_blocks=min(pingpong_blocks, max(blocks, 1)),
+                       num_shards=num_shards, window_tokens=window_tokens, device=device)
+
+
+def calibrated_model(config: ModelConfig, fmt, device: str):
+    """The PerfModel of this model's attention on this machine (measured once, then cached)."""
     from writescope.calibration import AttentionShape, calibrate
 
     return calibrate(AttentionShape(config.num_q_heads, fmt), device=device)

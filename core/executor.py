@@ -71,21 +71,42 @@ def merge_all(partials):
 
 
 EXECUTORS = ("local", "ray")
-# Executors outside core register here; "ray" lives in writescope.actors (core imports no Ray).
-_PLUGINS = {"ray": "writescope.actors.ray_executor"}
+# Executors outside core register here; "ray" lives in writescope.actors (core imports no Ray). An
+# executor may also register an engine factory: `Engine.from_pretrained(executor=name)` then returns
+# what it builds (ray: the engine runs inside a GPU worker actor, the caller gets a proxy).
+_PLUGINS = {"ray": "writescope.actors.ray_engine", "channel": "writescope.actors.ray_engine"}
 _FACTORIES: dict[str, Callable] = {"local": LocalExecutor}
+_ENGINE_FACTORIES: dict[str, Callable] = {}
 
 
-def register_executor(name: str, factory: Callable) -> None:
+def register_executor(name: str, factory: Callable, engine: Callable | None = None) -> None:
     _FACTORIES[name] = factory
+    if engine is not None:
+        _ENGINE_FACTORIES[name] = engine
+
+
+def _load(name: str) -> None:
+    if name not in _FACTORIES and name in _PLUGINS:
+        importlib.import_module(_PLUGINS[name])  # registers itself
+
+
+def engine_factory(name: str) -> Callable | None:
+    """The engine factory registered for an executor, or None: the engine runs in this process."""
+    _load(name)
+    return _ENGINE_FACTORIES.get(name)
+
+
+def check_executor(name: str) -> None:
+    """Raises a ValueError naming the known executors unless `name` is one (or a registered one)."""
+    if name not in EXECUTORS and name not in _PLUGINS and name not in _FACTORIES:
+        raise ValueError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
 
 
 def make_executor(name: str, **options):
-    if name not in EXECUTORS:
-        raise ValueError(f"unknown executor {name!r}; known: {', '.join(EXECUTORS)}")
-    if name not in _FACTORIES:
-        importlib.import_module(_PLUGINS[name])  # registers itself
+    check_executor(name)
+    _load(name)
     return _FACTORIES[name](**options)
 
 
-__all__ = ["LocalExecutor", "Node", "make_executor", "merge_all", "register_executor"]
+__all__ = ["LocalExecutor", "Node", "check_executor", "engine_factory", "make_executor", "merge_all",
+           "register_executor"]

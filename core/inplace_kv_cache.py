@@ -80,13 +80,19 @@ class InplaceKVCache:
     transient ping-pong copies.
     """
 
-    def __init__(self, config: CacheConfig, policy: Policy):
+    def __init__(self, config: CacheConfig, policy: Policy, *, region_handles=None):
+        """region_handles: ([cpu_compute handle bytes per shard], cpu_transfer handle bytes) of regions a
+        long-lived owner created: attached (and checked against config), not created, and left in
+        place by close(). None: this cache creates and owns its regions."""
         self.config = config
         self.policy = policy
         fmt = config.format
-        self.compute = [HostRegion.create("cpu_compute", fmt, config.compute_blocks_per_shard, shard=s)
-                        for s in range(config.num_shards)]
-        self.transfer = HostRegion.create("cpu_transfer", fmt, config.transfer_blocks)
+        if region_handles is None:
+            self.compute = [HostRegion.create("cpu_compute", fmt, config.compute_blocks_per_shard, shard=s)
+                            for s in range(config.num_shards)]
+            self.transfer = HostRegion.create("cpu_transfer", fmt, config.transfer_blocks)
+        else:
+            self.compute, self.transfer = _attach_regions(config, *region_handles)
         self.compute_alloc = [BlockAllocator(config.compute_blocks_per_shard) for _ in range(config.num_shards)]
         self.transfer_alloc = BlockAllocator(config.transfer_blocks)
         device = torch.device(config.device)
@@ -463,6 +469,29 @@ class InplaceKVCache:
             table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         lens = torch.tensor([len(blocks) * self.block_size for blocks in lists], dtype=torch.int32)
         return table.to(device), lens.to(device)
+
+
+def _attach_regions(config: CacheConfig, compute_handles, transfer_handle):
+    """Attaches an owner's regions, refusing any whose kind, format or size differs from config."""
+    if len(compute_handles) != config.num_shards:
+        raise ValueError(f"{len(compute_handles)} cpu_compute handles for {config.num_shards} shards")
+    expected = [("cpu_compute", shard, config.compute_blocks_per_shard) for shard in range(config.num_shards)]
+    expected.append(("cpu_transfer", 0, config.transfer_blocks))
+    regions = []
+    try:
+        for payload, (kind, shard, num_blocks) in zip([*compute_handles, transfer_handle], expected, strict=True):
+            region = HostRegion.attach(payload)
+            regions.append(region)
+            got = region.handle
+            if (got.kind, got.shard, got.num_blocks, got.format) != (kind, shard, num_blocks, config.format):
+                raise ValueError(f"region {got.shm_name!r} is {got.kind} shard {got.shard} of {got.num_blocks} "
+                                 f"blocks; this cache needs {kind} shard {shard} of {num_blocks} blocks in "
+                                 f"{config.format}")
+    except BaseException:
+        for region in regions:
+            region.close()
+        raise
+    return regions[:-1], regions[-1]
 
 
 def _spans(blocks: list[int]) -> Iterator[tuple[int, int, int]]:

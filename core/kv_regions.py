@@ -125,7 +125,9 @@ class HostRegion:
         self.owner = owner
         self.arrays = [self._view(offset, dim) for offset, dim in zip(handle.offsets, handle.format.stored_dims,
                                                                        strict=True)]
-        self._pinned = handle.pinned and owner and _pin(self._shm)
+        # Page-locking is per mapping: each process that maps a pinned region (the owner, or the GPU
+        # worker attaching it) registers its own view with CUDA, where CUDA is present.
+        self._pinned = handle.pinned and _pin(self._shm)
 
     @classmethod
     def create(cls, kind: str, fmt: KVFormat, num_blocks: int, *, shard: int = 0, pin: bool | None = None,
@@ -165,6 +167,15 @@ class HostRegion:
     @property
     def kind(self) -> str:
         return self.handle.kind
+
+    @property
+    def address(self) -> int:
+        """Where the segment is mapped in this process (page-aligned)."""
+        return _buffer_address(self._shm)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._shm.size
 
     @property
     def k(self) -> torch.Tensor:

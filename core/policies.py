@@ -37,6 +37,10 @@ class Policy(ABC):
         """Measured times of one layer's step; fixed policies ignore them."""
         return None
 
+    def end_step(self) -> None:
+        """Called once after every decode step (a policy kept elsewhere syncs here)."""
+        return None
+
     def route_blocks(self, cpu_tokens: int, total_tokens: int, new_block_tokens: list[int],
                      batch_tokens: int) -> list[Region]:
         """Regions of a sequence's next sealed blocks, in order.

@@ -1,12 +1,14 @@
-"""Orchestration overhead of the `ray` executor against `local`, per layer and per step, and the
-cost of one CPU-partial round trip through a plain actor call vs a Ray Compiled Graph.
+"""Orchestration overhead of the engine on Ray against `local`, per layer and per step, and the
+cost of one CPU-partial round trip through each binding: a plain actor call, a Ray Compiled Graph,
+and the shared-memory channel the engine uses.
 
 Part 1: the engine (all_cpu policy, so every layer's attention goes through the CPU side) decodes at
-8K and 32K context under `local` and under `ray` with 1 and 2 CPU workers (emulated nodes); the
-decode step time is the median over the steps, and the overhead is (ray - local) per step and per
-layer, and as a share of the ray step.
-Part 2: the same CPUWorker.partial call (q of 32 heads, a 32K-token table) bound as plain
-`.remote()` + `ray.get` and as a compiled graph (`experimental_compile`), median round trip.
+8K and 32K context under `local` and under `ray` (GPU worker + 1 or 2 CPU workers on emulated
+nodes, per-layer exchange over the shared-memory channels); the decode step time is the median over
+the steps, and the overhead is (ray - local) per step and per layer, and as a share of the ray step.
+Part 2: the exchange of one CPU partial (q of 32 heads, a 32K-token table in; out and lse back) with
+a trivial partial, bound as plain `.remote()` + `ray.get`, as a compiled graph
+(`experimental_compile`) and over a channel (writescope.actors.channel), median round trip.
 
     python tools/bench_orchestration.py --out bench_results/orchestration.json
 """
@@ -19,12 +21,15 @@ import json
 import logging
 import os
 import statistics
+import tempfile
 import time
 
 import numpy as np
 import ray
 import torch
 
+from writescope.actors.channel import ChannelSpec, PartialClient, create_segment
+from writescope.actors.local_ray import start_local_ray
 from writescope.engine import Engine
 from writescope.topology import emulated_topology
 
@@ -78,7 +83,50 @@ def round_trips_ms(repeats: int) -> dict:
     finally:
         compiled.teardown(kill_actors=True)
         remove_graph_semaphores(pids)
-    return {"plain_ms": statistics.median(plain), "compiled_graph_ms": statistics.median(times)}
+    return {"plain_ms": statistics.median(plain), "compiled_graph_ms": statistics.median(times),
+            "channel_ms": channel_round_trip_ms(q, table, lens, repeats)}
+
+
+def channel_round_trip_ms(q, table, lens, repeats: int) -> float:
+    @ray.remote(num_cpus=0)
+    class ChannelEcho:
+        def __init__(self, spec):
+            import torch
+
+            from writescope.actors.channel import PartialServer
+
+            def zeros(layer, q, block_table, seq_lens, scale):
+                return torch.zeros(q.shape[0], q.shape[1], spec.head_dim_v), torch.zeros(q.shape[:2])
+
+            self.server = PartialServer(spec, zeros, num_layers=1)
+
+        def ready(self):
+            return self.server.serving()
+
+    with tempfile.TemporaryDirectory() as socket_dir:
+        spec = ChannelSpec(shm_name=f"writescope_bench_{os.getpid()}", socket_path=os.path.join(socket_dir, "echo"),
+                           max_seqs=1, max_blocks=table.shape[1], num_q_heads=q.shape[1], head_dim_qk=q.shape[2],
+                           head_dim_v=128)
+        segment = create_segment(spec)
+        echo = ChannelEcho.remote(spec)
+        client = None
+        try:
+            ray.get(echo.ready.remote())
+            client = PartialClient(spec)
+            args = (0, torch.from_numpy(q), torch.from_numpy(table), torch.from_numpy(lens), 1.0)
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                client.send(*args)
+                client.receive()
+                times.append((time.perf_counter() - start) * 1e3)
+            return statistics.median(times[1:])
+        finally:
+            if client is not None:
+                client.close()
+            ray.kill(echo)
+            segment.close()
+            segment.unlink()
 
 
 def remove_graph_semaphores(pids) -> None:
@@ -98,7 +146,7 @@ def main():
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("RAY_CGRAPH_teardown_timeout", "5")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2)
     try:
         rows = []
         for context in args.contexts:
@@ -121,7 +169,8 @@ def main():
         print(f"| {r['context'] // 1024}K | {r['cpu_workers']} | {r['local_step_ms']:.2f} | {r['ray_step_ms']:.2f} "
               f"| {r['overhead_per_layer_ms']:.2f} | {r['overhead_share']:.0%} |")
     print(f"\nOne CPU-partial round trip: plain actor call {trips['plain_ms']:.2f} ms, compiled graph "
-          f"{trips['compiled_graph_ms']:.2f} ms (median of {args.repeats}).")
+          f"{trips['compiled_graph_ms']:.2f} ms, shared-memory channel {trips['channel_ms']:.3f} ms "
+          f"(median of {args.repeats}).")
 
 
 if __name__ == "__main__":

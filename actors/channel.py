@@ -1,0 +1,270 @@
+"""The per-layer channel between the GPU worker and one CPU worker: the exchange of a CPU partial
+(q, block table and lengths in; out and lse back) through a shared-memory segment, with a Unix
+stream socket carrying a small header each way to wake the other side.
+
+Why not a Ray call per layer: a plain actor call costs ~1-3 ms here, and a compiled graph
+busy-spins a core per actor (see the README). The socket wait blocks in the kernel, so nothing
+spins, and the arrays never cross the socket. Ray still places, starts, restarts and kills the
+workers. The socket is a path in a private (0700) directory: nothing listens on the network.
+
+A CPU worker that dies takes only its socket with it: the segment belongs to the region owner.
+The client then reconnects to the restarted worker and sends the same request again; a partial is
+a pure function of q, the table and the shard's bytes, so the retry gives the same result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+REQUEST = struct.Struct("<QIIId")  # request id, layer, num_seqs, table width, scale
+REPLY = struct.Struct("<QdI")  # request id, kernel seconds, length of the error message that follows (0: ok)
+_ALIGN = 64
+
+
+@dataclass(frozen=True)
+class ChannelSpec:
+    """Where one CPU worker's channel lives and the largest request it carries."""
+
+    shm_name: str
+    socket_path: str
+    max_seqs: int
+    max_blocks: int  # table width: blocks of one sequence in this shard
+    num_q_heads: int
+    head_dim_qk: int
+    head_dim_v: int
+
+    def layout(self) -> dict[str, tuple[int, tuple[int, ...], np.dtype]]:
+        """Array name -> (byte offset, shape, dtype) inside the segment."""
+        arrays = {"q": ((self.max_seqs, self.num_q_heads, self.head_dim_qk), np.float32),
+                  "table": ((self.max_seqs * self.max_blocks,), np.int32),
+                  "lens": ((self.max_seqs,), np.int32),
+                  "out": ((self.max_seqs, self.num_q_heads, self.head_dim_v), np.float32),
+                  "lse": ((self.max_seqs, self.num_q_heads), np.float32)}
+        layout, offset = {}, 0
+        for name, (shape, dtype) in arrays.items():
+            layout[name] = (offset, shape, np.dtype(dtype))
+            offset += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // _ALIGN) * _ALIGN
+        return layout
+
+    def segment_bytes(self) -> int:
+        offset, shape, dtype = self.layout()["lse"]
+        return offset + int(np.prod(shape)) * dtype.itemsize
+
+
+_CREATED_HERE: set[str] = set()
+
+
+def create_segment(spec: ChannelSpec) -> shared_memory.SharedMemory:
+    """The segment of one channel (called by the region owner, which unlinks it at shutdown)."""
+    segment = shared_memory.SharedMemory(name=spec.shm_name, create=True, size=spec.segment_bytes())
+    _CREATED_HERE.add(spec.shm_name)
+    return segment
+
+
+class _Buffers:
+    """Numpy views of a channel's segment, attached (the owner created it and will unlink it)."""
+
+    def __init__(self, spec: ChannelSpec):
+        self.spec = spec
+        try:
+            self._shm = shared_memory.SharedMemory(name=spec.shm_name, create=False)
+        except FileNotFoundError:
+            raise ValueError(f"no channel segment {spec.shm_name!r}: its region owner is gone") from None
+        if spec.shm_name not in _CREATED_HERE:  # Python < 3.13 would unlink an attached segment at exit
+            with contextlib.suppress(Exception):
+                resource_tracker.unregister(self._shm._name, "shared_memory")  # noqa: SLF001
+        self.arrays = {name: np.ndarray(shape, dtype=dtype, buffer=self._shm.buf, offset=offset)
+                       for name, (offset, shape, dtype) in spec.layout().items()}
+
+    def close(self) -> None:
+        self.arrays = {}
+        with contextlib.suppress(BufferError):
+            self._shm.close()
+
+
+def _receive_exact(sock: socket.socket, size: int) -> bytes:
+    data = bytearray()
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the other side of the channel closed it")
+        data += chunk
+    return bytes(data)
+
+
+class PartialServer:
+    """The CPU worker's side: a thread that answers partial requests over its shard.
+
+    compute(layer, q, table, lens, scale) -> (out, lse) runs the kernel; requests are checked
+    against the channel's bounds first, and any failure goes back to the client as an error.
+    """
+
+    def __init__(self, spec: ChannelSpec, compute, num_layers: int):
+        self.spec = spec
+        self._compute = compute
+        self._num_layers = num_layers
+        self._buffers = _Buffers(spec)
+        with contextlib.suppress(FileNotFoundError):  # a socket left by this worker's previous life
+            os.unlink(spec.socket_path)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(spec.socket_path)
+        self._listener.listen(1)
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="writescope-partial-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                try:
+                    while True:
+                        self._answer(conn, REQUEST.unpack(_receive_exact(conn, REQUEST.size)))
+                except (ConnectionError, OSError):
+                    continue  # the client went away (a restarted GPU worker reconnects)
+
+    def _answer(self, conn, request) -> None:
+        request_id, layer, num_seqs, width, scale = request
+        began, error = time.perf_counter(), ""
+        try:
+            self._check(layer, num_seqs, width)
+            a = self._buffers.arrays
+            table = a["table"][: num_seqs * width].reshape(num_seqs, width)
+            out, lse = self._compute(layer, torch.from_numpy(a["q"][:num_seqs]), torch.from_numpy(table),
+                                     torch.from_numpy(a["lens"][:num_seqs]), scale)
+            a["out"][:num_seqs] = out.numpy()
+            a["lse"][:num_seqs] = lse.numpy()
+        except Exception as exc:  # noqa: BLE001 - every failure is the client's to raise
+            error = f"{type(exc).__name__}: {exc}"
+        message = error.encode()
+        conn.sendall(REPLY.pack(request_id, time.perf_counter() - began, len(message)) + message)
+
+    def _check(self, layer: int, num_seqs: int, width: int) -> None:
+        spec = self.spec
+        if not 0 <= layer < self._num_layers:
+            raise ValueError(f"layer {layer} is outside [0, {self._num_layers})")
+        if not 0 < num_seqs <= spec.max_seqs:
+            raise ValueError(f"num_seqs {num_seqs} is outside [1, {spec.max_seqs}]")
+        if not 0 < width <= spec.max_blocks:
+            raise ValueError(f"block table width {width} is outside [1, {spec.max_blocks}]")
+
+    def serving(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._thread.join(timeout=5)
+        self._buffers.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.spec.socket_path)
+
+
+class PartialClient:
+    """The GPU worker's side of one channel: send() a request, then receive() its partial. A lost
+    connection (the CPU worker died) is re-established within reconnect_timeout_s, while Ray
+    restarts the worker, and the same request is sent again."""
+
+    def __init__(self, spec: ChannelSpec, reconnect_timeout_s: float = 120.0):
+        self.spec = spec
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self._buffers = _Buffers(spec)
+        self._sock: socket.socket | None = None
+        self._next_id = 0
+        self._request = None  # (header, q, table, lens) of the request in flight, for a resend
+
+    def send(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+             scale: float) -> None:
+        """q [num_seqs, num_q_heads, head_dim_qk]; block_table [num_seqs, width] int32; seq_lens [num_seqs] int32."""
+        num_seqs, width = block_table.shape
+        spec = self.spec
+        if tuple(q.shape) != (num_seqs, spec.num_q_heads, spec.head_dim_qk):
+            raise ValueError(f"q is {list(q.shape)}, the channel carries [num_seqs={num_seqs}, "
+                             f"{spec.num_q_heads}, {spec.head_dim_qk}]")
+        if not 0 < num_seqs <= spec.max_seqs or not 0 < width <= spec.max_blocks:
+            raise ValueError(f"a table of {num_seqs} x {width} does not fit the channel's "
+                             f"{spec.max_seqs} x {spec.max_blocks}")
+        self._next_id += 1
+        header = REQUEST.pack(self._next_id, layer, num_seqs, width, scale)
+        self._request = (header, q.float().numpy(), block_table.numpy(), seq_lens.numpy())
+        try:
+            self._transmit()
+        except (ConnectionError, OSError):
+            self._drop()  # receive() reconnects and sends it again
+
+    def _transmit(self) -> None:
+        header, q, table, lens = self._request
+        num_seqs, width = table.shape
+        a = self._buffers.arrays
+        a["q"][:num_seqs] = q
+        a["table"][: num_seqs * width] = table.reshape(-1)
+        a["lens"][:num_seqs] = lens
+        self._connected().sendall(header)
+
+    def receive(self) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """(out [num_seqs, num_q_heads, head_dim_v], lse [num_seqs, num_q_heads], kernel seconds)."""
+        header = self._request[0]
+        request_id, _, num_seqs, _, _ = REQUEST.unpack(header)
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            try:
+                if self._sock is None:
+                    self._transmit()
+                got_id, seconds, error_len = REPLY.unpack(_receive_exact(self._sock, REPLY.size))
+                error = _receive_exact(self._sock, error_len).decode() if error_len else ""
+                if got_id != request_id:
+                    raise ConnectionError(f"reply {got_id} to request {request_id}")
+                break
+            except (ConnectionError, OSError) as exc:
+                self._drop()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the CPU worker at {self.spec.socket_path} did not come back within "
+                                       f"{self.reconnect_timeout_s:.0f} s") from exc
+                log.warning("CPU worker channel %s lost (%s): resending to the restarted worker",
+                            self.spec.socket_path, exc)
+        if error:
+            raise RuntimeError(f"CPU worker at {self.spec.socket_path}: {error}")
+        a = self._buffers.arrays
+        return torch.from_numpy(a["out"][:num_seqs].copy()), torch.from_numpy(a["lse"][:num_seqs].copy()), seconds
+
+    def _connected(self) -> socket.socket:
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self.spec.socket_path)
+                self._sock = sock
+            except (FileNotFoundError, ConnectionRefusedError):
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no CPU worker listens at {self.spec.socket_path} after "
+                                       f"{self.reconnect_timeout_s:.0f} s") from None
+                time.sleep(0.02)
+        return self._sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        self._drop()
+        self._buffers.close()

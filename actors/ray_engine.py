@@ -1,0 +1,204 @@
+"""The engine on Ray: `Engine.from_pretrained(..., executor="ray")` returns a RayEngine.
+
+    region owner  (RegionOwner)        creates the shared-memory segments, removes them at shutdown
+    scheduler     (WriteScopeScheduler) the policy: perf model, r*, EWMA
+    GPU worker    (GPUWorker)          an Engine: model, window, ping-pong, device partial, merge
+    CPU workers   (CPUWorker, 1/node)  pinned to their NUMA node, partials over their shard
+
+Ray places, starts, restarts and kills these actors. Inside a decode step the GPU worker exchanges
+each layer's q and partials with the CPU workers over shared-memory channels (ChannelExecutor), not
+through Ray calls: see writescope.actors.channel and the README for the measured reasons. The
+caller's RayEngine holds only handles and forwards generate / generate_stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+import tempfile
+
+import ray
+
+from writescope.actors.channel import ChannelSpec, PartialClient
+from writescope.actors.cpu_worker import CPUWorker
+from writescope.actors.gpu_worker import GPUWorker
+from writescope.actors.region_owner import RegionOwner
+from writescope.actors.scheduler import WriteScopeScheduler
+from writescope.engine import engine_cache_config, load_model_config
+from writescope.executor import LocalExecutor, merge_all, register_executor
+from writescope.topology import NumaNode, topology
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLostError(RuntimeError):
+    """The GPU worker died during a generation: these requests (indices into the call's prompts)
+    are lost. The worker is restarted; the engine accepts new requests."""
+
+    def __init__(self, lost_requests: list[int], cause: BaseException):
+        self.lost_requests = lost_requests
+        super().__init__(f"the GPU worker died during generation; lost requests (prompt indices): {lost_requests}. "
+                         f"It is being restarted and accepts new requests. Cause: {cause}")
+
+
+class ChannelExecutor(LocalExecutor):
+    """Inside the GPU worker: each layer's CPU partial from every CPU worker, over its channel."""
+
+    name = "channel"
+
+    def __init__(self, specs: list[ChannelSpec]):
+        super().__init__()
+        self.clients = [PartialClient(spec) for spec in specs]
+
+    def bind_cache(self, cache) -> None:
+        if cache.config.num_shards != len(self.clients):
+            raise ValueError(f"the cache has {cache.config.num_shards} cpu_compute shards for {len(self.clients)} "
+                             f"CPU workers: one shard per worker")
+        super().bind_cache(cache)
+
+    def cpu_partial(self, layer: int, q, seq_ids, scale: float):
+        """q [num_seqs, num_q_heads, head_dim_qk] on the CPU -> (out, lse, tokens, slowest worker's seconds)."""
+        tokens = 0
+        for shard, client in enumerate(self.clients):  # all requests out first: the workers run in parallel
+            source = self.cache.compute_source(layer, seq_ids, shard)
+            tokens += int(source.seq_lens.sum())
+            client.send(layer, q, source.block_table, source.seq_lens, scale)
+        results = [client.receive() for client in self.clients]
+        out, lse = merge_all([(out, lse) for out, lse, _ in results])
+        return out, lse, tokens, max(seconds for _, _, seconds in results)
+
+    def shutdown(self) -> None:
+        for client in self.clients:
+            client.close()
+        super().shutdown()
+
+
+class RayEngine:
+    """The caller's side of an engine whose actors run on Ray: the Engine API, forwarded."""
+
+    def __init__(self, owner, scheduler, gpu_worker, cpu_workers, socket_dir: str):
+        self.owner = owner
+        self.scheduler = scheduler
+        self.gpu_worker = gpu_worker
+        self.cpu_workers = cpu_workers
+        self._socket_dir = socket_dir
+        self._segment_names = ray.get(owner.segment_names.remote())
+
+    @classmethod
+    def from_pretrained(cls, path_or_preset: str, *, executor_options: dict, policy, device: str = "cpu",
+                        num_shards: int | None = None, **options) -> RayEngine:
+        if not ray.is_initialized():
+            raise ValueError("executor 'ray' needs a running Ray: call ray.init() (or connect to a cluster) first")
+        if not isinstance(policy, str):
+            raise ValueError("executor 'ray' takes the policy by name: the scheduler actor makes it")
+        nodes: list[NumaNode] = executor_options.get("nodes") or topology()
+        if num_shards not in (None, len(nodes)):
+            raise ValueError(f"num_shards={num_shards} for {len(nodes)} NUMA nodes: one shard per node")
+        gpus = 1 if device.startswith("cuda") else 0
+        if gpus and ray.cluster_resources().get("GPU", 0) < 1:
+            raise ValueError(f"device={device!r} but the Ray cluster has no GPU: use device='cpu' or add a GPU node")
+        config, torch_dtype = load_model_config(path_or_preset, options.get("dtype"))
+        cache_config = engine_cache_config(config, torch_dtype, block_size=options["block_size"],
+                                           max_batch_size=options["max_batch_size"],
+                                           max_seq_len=options["max_seq_len"], num_shards=len(nodes),
+                                           window_tokens=options["window_tokens"],
+                                           pingpong_blocks=options["pingpong_blocks"], device=device)
+        engine_id = secrets.token_hex(4)
+        socket_dir = tempfile.mkdtemp(prefix=f"writescope-{engine_id}-")  # 0700: only this user connects
+        fmt = cache_config.format
+        specs = [ChannelSpec(shm_name=f"writescope_{engine_id}_channel_{i}",
+                             socket_path=os.path.join(socket_dir, f"cpu{i}.sock"), max_seqs=cache_config.max_seqs,
+                             max_blocks=cache_config.compute_blocks_per_shard, num_q_heads=config.num_q_heads,
+                             head_dim_qk=fmt.head_dim_k, head_dim_v=fmt.head_dim_v) for i in range(len(nodes))]
+        owner = RegionOwner.remote(cache_config, specs, f"writescope_{engine_id}", gpus > 0)
+        actors = [owner]
+        try:
+            compute_handles, transfer_handle = ray.get(owner.handles.remote())
+            cpu_workers = [CPUWorker.remote(node, compute_handles[i], specs[i]) for i, node in enumerate(nodes)]
+            scheduler = WriteScopeScheduler.remote()
+            actors += [*cpu_workers, scheduler]
+            ray.get([w.check_health.remote() for w in cpu_workers])
+            gpu_worker = GPUWorker.options(num_gpus=gpus, num_cpus=0).remote(
+                path_or_preset, {**options, "policy": policy, "device": device},
+                (compute_handles, transfer_handle), specs, scheduler)
+            actors.append(gpu_worker)
+            ray.get(gpu_worker.check_health.remote())
+        except BaseException:
+            _stop(actors, owner)
+            shutil.rmtree(socket_dir, ignore_errors=True)
+            raise
+        return cls(owner, scheduler, gpu_worker, cpu_workers, socket_dir)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts, **kwargs):
+        """As Engine.generate; raises WorkerLostError (naming every request of the call) if the GPU
+        worker dies meanwhile."""
+        try:
+            return ray.get(self.gpu_worker.generate.remote(prompts, kwargs))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
+            raise WorkerLostError(list(range(_num_prompts(prompts))), error) from error
+
+    def generate_stream(self, prompts, **kwargs):
+        """As Engine.generate_stream; raises WorkerLostError naming the requests not finished when
+        the GPU worker died."""
+        finished: set[int] = set()
+        try:
+            for ref in self.gpu_worker.generate_stream.remote(prompts, kwargs):
+                event = ray.get(ref)
+                if event.finish_reason is not None:
+                    finished.add(event.index)
+                yield event
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
+            lost = [i for i in range(_num_prompts(prompts)) if i not in finished]
+            raise WorkerLostError(lost, error) from error
+
+    # ------------------------------------------------------------------ inspection
+    def check_integrity(self) -> None:
+        ray.get(self.gpu_worker.check_integrity.remote())
+
+    @property
+    def stats(self) -> dict:
+        return ray.get(self.gpu_worker.stats.remote())
+
+    def scheduler_state(self) -> dict:
+        return ray.get(self.scheduler.state.remote())
+
+    def segment_names(self) -> list[str]:
+        """The shared-memory segments of this engine (gone after shutdown)."""
+        return list(self._segment_names)
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        """Stops every actor of this engine and removes its segments and sockets."""
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.gpu_worker.shutdown.remote(), timeout=30)
+        for worker in self.cpu_workers:
+            with contextlib.suppress(ray.exceptions.RayError):
+                ray.get(worker.shutdown.remote(), timeout=30)
+        _stop([self.gpu_worker, *self.cpu_workers, self.scheduler], self.owner)
+        for name in self._segment_names:  # the owner unlinked them; this covers an owner that died
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(f"/dev/shm/{name}")
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+def _stop(actors, owner) -> None:
+    for actor in actors:
+        if actor is not owner:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+    with contextlib.suppress(Exception):
+        ray.get(owner.close.remote(), timeout=30)
+    with contextlib.suppress(Exception):
+        ray.kill(owner, no_restart=True)
+
+
+def _num_prompts(prompts) -> int:
+    return 1 if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else len(prompts)
+
+
+register_executor("channel", ChannelExecutor)
+register_executor("ray", ChannelExecutor, engine=RayEngine.from_pretrained)

@@ -1,0 +1,166 @@
+"""The engine on Ray against a real local Ray cluster (one per test session): the same tokens as
+the local executor, CPU workers pinned to their (emulated) NUMA nodes, a killed CPU worker that is
+restarted mid-generation without changing a token, a killed GPU worker that names the lost
+requests and is then usable again, the scheduler fed by the workers' times, and nothing left
+behind by shutdown."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from writescope.actors.local_ray import start_local_ray  # noqa: E402
+from writescope.actors.ray_engine import WorkerLostError  # noqa: E402
+from writescope.engine import Engine  # noqa: E402
+from writescope.models.presets import PRESETS  # noqa: E402
+from writescope.policies import POLICY_NAMES  # noqa: E402
+from writescope.topology import emulated_topology, read_topology  # noqa: E402
+
+pytestmark = pytest.mark.ray
+PROMPTS = [[5, 6, 7] * 50, list(range(1, 110))]
+OPTIONS = {"window_tokens": 8, "block_size": 4, "max_batch_size": 2, "max_seq_len": 200}
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory):
+    os.environ.setdefault("WRITESCOPE_CACHE_DIR", str(tmp_path_factory.mktemp("calibration")))
+    start_local_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+def local_tokens(preset, policy):
+    engine = Engine.from_pretrained(preset, policy=policy, **OPTIONS)
+    try:
+        return [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=10)]
+    finally:
+        engine.shutdown()
+
+
+def ray_engine(preset, policy, num_nodes):
+    return Engine.from_pretrained(preset, policy=policy, executor="ray",
+                                  executor_options={"nodes": emulated_topology(num_nodes)}, **OPTIONS)
+
+
+@pytest.mark.parametrize("num_nodes", [1, 2])
+@pytest.mark.parametrize("policy", POLICY_NAMES)
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_ray_gives_the_local_tokens(ray_cluster, preset, policy, num_nodes):
+    engine = ray_engine(preset, policy, num_nodes)
+    try:
+        tokens = [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=10)]
+    finally:
+        engine.shutdown()
+    assert tokens == local_tokens(preset, policy)
+
+
+def test_cpu_workers_are_pinned_to_their_nodes(ray_cluster):
+    nodes = emulated_topology(2)
+    engine = ray_engine("tiny-qwen3-moe", "all_cpu", 2)
+    try:
+        for node, worker in zip(nodes, engine.cpu_workers, strict=True):
+            affinities = ray.get(worker.thread_affinities.remote())
+            assert len(affinities) > 1
+            for tid, cpus in affinities.items():
+                assert set(cpus) <= set(node.cpus), f"thread {tid} of node {node.index}'s worker runs on {cpus}"
+    finally:
+        engine.shutdown()
+
+
+def test_on_real_nodes_each_shard_lives_in_its_nodes_memory(ray_cluster):
+    nodes = read_topology()
+    engine = Engine.from_pretrained("tiny-qwen3-moe", policy="all_cpu", executor="ray",
+                                    executor_options={"nodes": nodes}, **OPTIONS)
+    try:
+        for node, worker in zip(nodes, engine.cpu_workers, strict=True):
+            assert set(ray.get(worker.shard_page_nodes.remote())) == {node.index}  # every page resident there
+    finally:
+        engine.shutdown()
+
+
+def test_a_killed_cpu_worker_is_restarted_and_the_tokens_do_not_change(ray_cluster):
+    expected = local_tokens("tiny-mixtral", "all_cpu")
+    engine = ray_engine("tiny-mixtral", "all_cpu", 2)
+    try:
+        victim = engine.cpu_workers[1]
+        old_pid = ray.get(victim.pid.remote())
+        tokens = {0: [], 1: []}
+        for count, event in enumerate(engine.generate_stream(PROMPTS, max_new_tokens=10)):
+            tokens[event.index].append(event.token_id)
+            if count == 6:  # mid-generation: both sequences are decoding
+                os.kill(old_pid, signal.SIGKILL)
+        assert [tokens[0], tokens[1]] == expected
+        assert ray.get(victim.pid.remote()) != old_pid  # it was restarted and re-attached its shard
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_a_killed_gpu_worker_names_the_lost_requests_and_the_engine_then_works(ray_cluster):
+    expected = local_tokens("tiny-qwen3-moe", "fixed_half")
+    engine = ray_engine("tiny-qwen3-moe", "fixed_half", 1)
+    try:
+        old_pid = ray.get(engine.gpu_worker.pid.remote())
+        with pytest.raises(WorkerLostError) as lost:
+            for count, _ in enumerate(engine.generate_stream(PROMPTS, max_new_tokens=10)):
+                if count == 4:
+                    os.kill(old_pid, signal.SIGKILL)
+        assert lost.value.lost_requests == [0, 1]
+        assert "lost requests (prompt indices): [0, 1]" in str(lost.value)
+        tokens = [o.token_ids for o in engine.generate(PROMPTS, max_new_tokens=10)]  # after the restart
+        assert tokens == expected
+        assert ray.get(engine.gpu_worker.pid.remote()) != old_pid
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_the_scheduler_learns_from_the_workers_times(ray_cluster):
+    engine = ray_engine("tiny-mixtral", "writescope", 2)
+    try:
+        engine.generate(PROMPTS, max_new_tokens=10)
+        state = engine.scheduler_state()
+    finally:
+        engine.shutdown()
+    assert state["policy"] == "writescope"
+    assert state["steps"] >= 5  # one call per decode step, sent without waiting
+    assert 0 <= state["share_at_32k"] <= 1 and state["model"]["cpu_s_per_token"] > 0
+
+
+def test_shutdown_removes_every_segment_socket_and_actor(ray_cluster):
+    engine = ray_engine("tiny-deepseek-v2", "fixed_half", 2)
+    engine.generate(PROMPTS[:1], max_new_tokens=3)
+    names = engine.segment_names()
+    socket_dir = engine._socket_dir  # noqa: SLF001
+    assert len(names) == 2 + 1 + 2  # two shards, cpu_transfer, two channels
+    assert all(os.path.exists(f"/dev/shm/{name}") for name in names)
+    assert os.stat(socket_dir).st_mode & 0o777 == 0o700  # the channels' sockets: this user only
+    actors = [engine.owner, engine.scheduler, engine.gpu_worker, *engine.cpu_workers]
+    engine.shutdown()
+    assert not [name for name in names if os.path.exists(f"/dev/shm/{name}")]
+    assert not os.path.exists(socket_dir)
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.check_health.remote(), timeout=30)
+
+
+def test_token_authentication_is_on(ray_cluster):
+    assert os.environ["RAY_AUTH_MODE"] == "token"
+
+
+def test_a_local_ray_without_token_authentication_is_refused(monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    with pytest.raises(ValueError, match="keeps Ray's token authentication on"):
+        start_local_ray(num_cpus=1)
+
+
+def test_ray_executor_needs_a_running_ray():
+    code = ("from writescope.engine import Engine\n"
+            "try:\n    Engine.from_pretrained('tiny-mixtral', executor='ray')\n"
+            "except ValueError as e:\n    print(e)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "needs a running Ray" in result.stdout, result.stderr
