@@ -20,13 +20,11 @@ import json
 import logging
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_cpu_attention import SHAPES, flops, kv_bytes  # noqa: E402
+from writescope.tools.bench_cpu_attention import SHAPES, flops, kv_bytes
 
 log = logging.getLogger("bench_gpu_attention")
 
