@@ -1,6 +1,9 @@
 """The GPU worker: the model, the window and ping-pong buffers, the device partial and the merge
 of each decode step; the CPU partials go to the CPU workers over their channels.
 
+It is an async actor: one EngineService thread runs the engine's loop, and the requests of every
+concurrent call join its running batch between steps.
+
 Authoritative state: none that outlives it. Rebuilt on (re)start: the weights (from the checkpoint
 or preset), the device buffers, the attachment of the regions and channels, and the policy snapshot
 (from the scheduler, which keeps r* and its EWMA across restarts). Lost with the process: the
@@ -10,14 +13,20 @@ and free regions; the caller of a lost generation gets an error naming its reque
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 
 import ray
 
+from writescope.engine import GenerationOutput, SamplingParams
+from writescope.service import EngineService
 
-@ray.remote(max_restarts=-1, max_task_retries=0, concurrency_groups={"control": 1})
+
+@ray.remote(max_restarts=-1, max_task_retries=0)
 class GPUWorker:
-    def __init__(self, path_or_preset: str, options: dict, region_handles, channel_specs, scheduler):
+    def __init__(self, path_or_preset: str, options: dict, region_handles, channel_specs, scheduler,
+                 max_waiting: int = 64):
         from writescope.actors.ray_engine import ChannelExecutor  # noqa: F401 - registers "channel"
         from writescope.actors.scheduler import RemotePolicy
         from writescope.engine import Engine, calibrated_model, kv_format, load_model_config
@@ -34,27 +43,106 @@ class GPUWorker:
                                              executor_options={"specs": channel_specs},
                                              policy=RemotePolicy(scheduler, snapshot), region_handles=region_handles,
                                              num_shards=len(channel_specs), **options)
+        self.service = EngineService(self.engine, max_waiting=max_waiting)
+        self._pending: dict[int, object] = {}  # submitted, stream not yet asked for
 
-    def generate(self, prompts, kwargs: dict):
-        return self.engine.generate(prompts, **kwargs)
+    # Every call goes through one EngineService: requests of concurrent callers share the running
+    # batch (continuous batching), and each call's events come back as they are made.
+    async def generate(self, prompts, kwargs: dict):
+        streams = self._submit_call(prompts, kwargs)
+        outputs = []
+        for stream in streams:
+            async for event in stream:
+                if event.finish_reason == "error":
+                    raise RuntimeError(event.error)
+            request = stream.request
+            outputs.append(GenerationOutput(request.tokens, request.text, request.finish_reason, len(request.prompt),
+                                            request.logits if kwargs.get("return_logits") else None))
+        return outputs
 
     @ray.method(num_returns="streaming")
-    def generate_stream(self, prompts, kwargs: dict):
-        yield from self.engine.generate_stream(prompts, **kwargs)
+    async def generate_stream(self, prompts, kwargs: dict):
+        """The call's events as they come, indexed by prompt position (as Engine.generate_stream)."""
+        streams = self._submit_call(prompts, kwargs)
+        position = {stream.request_id: i for i, stream in enumerate(streams)}
+        merged: asyncio.Queue = asyncio.Queue()
 
-    def check_integrity(self) -> None:
+        async def forward(stream):
+            async for event in stream:
+                await merged.put(event)
+
+        tasks = [asyncio.create_task(forward(stream)) for stream in streams]
+        try:
+            remaining = len(streams)
+            while remaining:
+                event = await merged.get()
+                remaining -= event.finish_reason is not None
+                yield dataclasses.replace(event, index=position[event.index])
+        finally:
+            for task, stream in zip(tasks, streams, strict=True):
+                task.cancel()
+                stream.cancel()
+
+    async def submit(self, prompt, params) -> int:
+        """Queues one request (the Serve ingress): its id, or QueueFullError / ValueError at once."""
+        stream = self.service.submit(prompt, params, loop=asyncio.get_running_loop())
+        self._pending[stream.request_id] = stream
+        return stream.request_id
+
+    @ray.method(num_returns="streaming")
+    async def stream(self, request_id: int):
+        """The events of a submitted request; a caller that stops listening cancels it."""
+        stream = self._pending.pop(request_id)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            if not stream.done:
+                stream.cancel()
+
+    def _submit_call(self, prompts, kwargs: dict):
+        kwargs = dict(kwargs)
+        params = kwargs.pop("params", None)
+        keep_logits = kwargs.pop("return_logits", False)
+        defaults = SamplingParams(kwargs.pop("max_new_tokens", 32), kwargs.pop("temperature", 0.0),
+                                  kwargs.pop("top_p", 1.0), kwargs.pop("seed", None), kwargs.pop("stop", None) or ())
+        if kwargs:
+            raise ValueError(f"unknown generate arguments: {sorted(kwargs)}")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("prompts is empty: pass one or more strings or lists of token ids")
+        if params is not None and len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: one per prompt")
+        return self.service.submit_many(prompts, params or [defaults] * len(prompts), call_seed=defaults.seed,
+                                        loop=asyncio.get_running_loop(), keep_logits=keep_logits)
+
+    async def state(self) -> dict:
+        """Occupancy, queue and counters, for metrics and progress."""
+        cache = self.engine.cache
+        config = cache.config
+        compute_total = config.compute_blocks_per_shard * config.num_shards
+        compute_used = sum(len(a.allocated) for a in cache.compute_alloc)
+        return {"waiting": self.service.waiting, "running_seqs": len(cache.seqs), **self.service.counters,
+                "cpu_share_at_32k": self.engine.policy.share(32768),
+                "occupancy": {"cpu_compute": compute_used / max(compute_total, 1),
+                              "cpu_transfer": len(cache.transfer_alloc.allocated) / max(config.transfer_blocks, 1)},
+                "steps": self.engine.stats["steps"], "decode_s": self.engine.stats["decode_s"]}
+
+    async def check_integrity(self) -> None:
         self.engine.cache.check_integrity()
 
-    def stats(self) -> dict:
+    async def stats(self) -> dict:
         return dict(self.engine.stats)
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        self.service.close()
         self.engine.shutdown()
 
-    @ray.method(concurrency_group="control")
-    def pid(self) -> int:
+    async def pid(self) -> int:
         return os.getpid()
 
-    @ray.method(concurrency_group="control")
-    def check_health(self) -> bool:
-        return self.engine is not None
+    async def check_health(self) -> bool:
+        if self.service.failure is not None:
+            raise RuntimeError(f"the engine loop failed: {self.service.failure}")
+        return True

@@ -19,6 +19,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 
 import ray
 
@@ -79,7 +80,9 @@ class ChannelExecutor(LocalExecutor):
 class RayEngine:
     """The caller's side of an engine whose actors run on Ray: the Engine API, forwarded."""
 
-    def __init__(self, owner, scheduler, gpu_worker, cpu_workers, socket_dir: str):
+    def __init__(self, owner, scheduler, gpu_worker, cpu_workers, socket_dir: str, max_seq_len: int):
+        self.max_seq_len = max_seq_len
+        self._worker_lost = False  # the next call first waits for the restarted GPU worker
         self.owner = owner
         self.scheduler = scheduler
         self.gpu_worker = gpu_worker
@@ -94,6 +97,9 @@ class RayEngine:
             raise ValueError("executor 'ray' needs a running Ray: call ray.init() (or connect to a cluster) first")
         if not isinstance(policy, str):
             raise ValueError("executor 'ray' takes the policy by name: the scheduler actor makes it")
+        unknown = set(executor_options) - {"nodes", "max_waiting"}
+        if unknown:
+            raise ValueError(f"unknown executor_options {sorted(unknown)}; executor 'ray' takes nodes, max_waiting")
         nodes: list[NumaNode] = executor_options.get("nodes") or topology()
         if num_shards not in (None, len(nodes)):
             raise ValueError(f"num_shards={num_shards} for {len(nodes)} NUMA nodes: one shard per node")
@@ -123,28 +129,31 @@ class RayEngine:
             ray.get([w.check_health.remote() for w in cpu_workers])
             gpu_worker = GPUWorker.options(num_gpus=gpus, num_cpus=0).remote(
                 path_or_preset, {**options, "policy": policy, "device": device},
-                (compute_handles, transfer_handle), specs, scheduler)
+                (compute_handles, transfer_handle), specs, scheduler, executor_options.get("max_waiting", 64))
             actors.append(gpu_worker)
             ray.get(gpu_worker.check_health.remote())
         except BaseException:
             _stop(actors, owner)
             shutil.rmtree(socket_dir, ignore_errors=True)
             raise
-        return cls(owner, scheduler, gpu_worker, cpu_workers, socket_dir)
+        return cls(owner, scheduler, gpu_worker, cpu_workers, socket_dir, options["max_seq_len"])
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, **kwargs):
         """As Engine.generate; raises WorkerLostError (naming every request of the call) if the GPU
         worker dies meanwhile."""
+        self._wait_for_restart()
         try:
             return ray.get(self.gpu_worker.generate.remote(prompts, kwargs))
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
+            self._worker_lost = True
             raise WorkerLostError(list(range(_num_prompts(prompts))), error) from error
 
     def generate_stream(self, prompts, **kwargs):
         """As Engine.generate_stream; raises WorkerLostError naming the requests not finished when
         the GPU worker died."""
         finished: set[int] = set()
+        self._wait_for_restart()
         try:
             for ref in self.gpu_worker.generate_stream.remote(prompts, kwargs):
                 event = ray.get(ref)
@@ -153,9 +162,36 @@ class RayEngine:
                 yield event
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
             lost = [i for i in range(_num_prompts(prompts)) if i not in finished]
+            self._worker_lost = True
             raise WorkerLostError(lost, error) from error
 
+    def _wait_for_restart(self, timeout_s: float = 300.0) -> None:
+        """After a lost GPU worker: waits until Ray has restarted it (weights loaded, regions attached)."""
+        deadline = time.monotonic() + timeout_s
+        while self._worker_lost:
+            try:
+                ray.get(self.gpu_worker.check_health.remote(), timeout=max(deadline - time.monotonic(), 1))
+                self._worker_lost = False
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError) as error:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the GPU worker did not come back within {timeout_s:.0f} s") from error
+                time.sleep(0.2)
+
+    async def submit(self, prompt, params) -> int:
+        """Queues one request in the running batch (for servers): its id. Raises QueueFullError when
+        the queue for KV capacity is full, ValueError for a bad or too long prompt."""
+        return await self.gpu_worker.submit.remote(prompt, params)
+
+    async def stream(self, request_id: int):
+        """The StreamEvents of a submitted request; closing this generator early cancels it."""
+        async for ref in self.gpu_worker.stream.remote(request_id):
+            yield await ref
+
     # ------------------------------------------------------------------ inspection
+    def state(self) -> dict:
+        """The GPU worker's queue, occupancy and counters, and the scheduler's r*."""
+        return {**ray.get(self.gpu_worker.state.remote()), "scheduler": self.scheduler_state()}
+
     def check_integrity(self) -> None:
         ray.get(self.gpu_worker.check_integrity.remote())
 

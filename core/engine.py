@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -48,10 +48,35 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class StreamEvent:
-    index: int  # which prompt
-    token_id: int
+    index: int  # which prompt (or, in an EngineService, which request)
+    token_id: int  # -1 on an error event
     text: str  # the text this token adds
-    finish_reason: str | None  # set on a sequence's last event
+    finish_reason: str | None  # set on a sequence's last event: "eos", "stop", "length", "abort" or "error"
+    error: str | None = None  # why, when finish_reason is "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's generation settings. seed: the request's own sampling stream (the same tokens
+    whatever else is batched with it, and across a resumed batch); None derives one from the call's
+    seed and the prompt's position."""
+
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple = ()
+
+    def __post_init__(self):
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
+                or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0 or not 0 < self.top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
+        stop = [self.stop] if isinstance(self.stop, str | int) else list(self.stop or [])
+        if not all(isinstance(s, str | int) for s in stop):
+            raise ValueError(f"stop must be strings or token ids, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
 
 
 @dataclass
@@ -71,6 +96,8 @@ class _Request:
     finish_reason: str | None = None
     prefix_offset: int = 0  # incremental detokenisation: tokens before prefix_offset are settled text
     read_offset: int = 0
+
+    cancelled: bool = False
 
     @property
     def seq_id(self):
@@ -157,8 +184,11 @@ class Engine:
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int | None = None, stop=None, return_logits: bool = False) -> list[GenerationOutput]:
-        requests = self._make_requests(prompts, max_new_tokens, temperature, top_p, seed, stop)
+                 seed: int | None = None, stop=None, return_logits: bool = False,
+                 params: list[SamplingParams] | None = None) -> list[GenerationOutput]:
+        """params: one SamplingParams per prompt, overriding the call-wide settings."""
+        requests = self._make_requests(prompts, SamplingParams(max_new_tokens, temperature, top_p, seed, stop or ()),
+                                       params)
         for request in requests:
             request.keep_logits = return_logits
         for _ in self._run(requests):
@@ -167,34 +197,39 @@ class Engine:
                 for r in requests]
 
     def generate_stream(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
-                        seed: int | None = None, stop=None) -> Iterator[StreamEvent]:
-        requests = self._make_requests(prompts, max_new_tokens, temperature, top_p, seed, stop)
+                        seed: int | None = None, stop=None,
+                        params: list[SamplingParams] | None = None) -> Iterator[StreamEvent]:
+        requests = self._make_requests(prompts, SamplingParams(max_new_tokens, temperature, top_p, seed, stop or ()),
+                                       params)
         yield from self._run(requests)
 
-    def _make_requests(self, prompts, max_new_tokens, temperature, top_p, seed, stop) -> list[_Request]:
+    def _make_requests(self, prompts, defaults: SamplingParams, params=None) -> list[_Request]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts is empty: pass one or more strings or lists of token ids")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
-        stop = [stop] if isinstance(stop, str | int) else list(stop or [])
-        stop_strings = tuple(s for s in stop if isinstance(s, str))
-        stop_ids = frozenset(s for s in stop if isinstance(s, int))
-        requests = []
-        for index, prompt in enumerate(prompts):
-            ids = self._encode(prompt, index)
-            if len(ids) + max_new_tokens > self.max_seq_len:
-                raise ValueError(f"prompt {index} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} it "
-                                 f"exceeds max_seq_len={self.max_seq_len}")
-            generator = None
-            if temperature > 0:
-                generator = torch.Generator().manual_seed((0 if seed is None else seed) * 1_000_003 + index)
-            requests.append(_Request(index, ids, max_new_tokens, temperature, top_p, stop_strings, stop_ids,
-                                     generator))
-        return requests
+        if params is not None and len(params) != len(prompts):
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: one per prompt")
+        return [self.make_request(index, prompt, params[index] if params else defaults, call_seed=defaults.seed)
+                for index, prompt in enumerate(prompts)]
+
+    def make_request(self, index: int, prompt, params: SamplingParams, call_seed: int | None = None,
+                     position: int | None = None) -> _Request:
+        """A checked request: the prompt encoded, its length against max_seq_len, its sampler seeded
+        (params.seed, else from call_seed and the prompt's position in its call, default index)."""
+        position = index if position is None else position
+        ids = self._encode(prompt, position)
+        if len(ids) + params.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt {position} has {len(ids)} tokens; with max_new_tokens={params.max_new_tokens} it "
+                             f"exceeds max_seq_len={self.max_seq_len}")
+        generator = None
+        if params.temperature > 0:
+            seed = params.seed if params.seed is not None else (call_seed or 0) * 1_000_003 + position
+            generator = torch.Generator().manual_seed(seed)
+        stop_strings = tuple(s for s in params.stop if isinstance(s, str))
+        stop_ids = frozenset(s for s in params.stop if isinstance(s, int))
+        return _Request(index, ids, params.max_new_tokens, params.temperature, params.top_p, stop_strings, stop_ids,
+                        generator)
 
     def _encode(self, prompt, index) -> list[int]:
         if isinstance(prompt, str):
@@ -211,17 +246,36 @@ class Engine:
         return ids
 
     def _run(self, requests: list[_Request]) -> Iterator[StreamEvent]:
-        waiting, running, admitted = deque(requests), [], []
+        """Generates a fixed set of requests to the end; a request that can never fit raises."""
+        yield from self.run_loop(deque(requests))
+
+    def run_loop(self, waiting: deque, poll: Callable[[bool], list[_Request]] | None = None) -> Iterator[StreamEvent]:
+        """The continuous-batching loop. Between steps, poll(block) adds new requests (block: nothing
+        is running or waiting, so it may wait for one; [] then ends the loop). Without poll, a request
+        that cannot fit even alone raises CapacityError; with poll, it gets an error event instead."""
+        running, admitted = [], []
         try:
-            while waiting or running:
+            while True:
+                if poll is not None:
+                    waiting.extend(poll(not waiting and not running))
+                if not waiting and not running:
+                    return
                 while waiting and len(running) < self.max_batch_size:
                     request = waiting[0]
+                    if request.cancelled:
+                        waiting.popleft()
+                        yield StreamEvent(request.index, -1, "", "abort")
+                        continue
                     try:
                         self.cache.admit(request.seq_id, len(request.prompt), request.max_new_tokens)
-                    except CapacityError:
-                        if not running:
+                    except CapacityError as error:
+                        if running:
+                            break  # it waits for a running sequence to finish
+                        if poll is None:
                             raise
-                        break
+                        waiting.popleft()
+                        yield StreamEvent(request.index, -1, "", "error", str(error))
+                        continue
                     waiting.popleft()
                     admitted.append(request)
                     yield self._accept(request, self._prefill(request))
@@ -232,7 +286,10 @@ class Engine:
                 if running:
                     for request, token in zip(running, self._decode_step(running), strict=True):
                         yield self._accept(request, token)
-                    for request in [r for r in running if r.finish_reason is not None]:
+                    for request in [r for r in running if r.finish_reason is not None or r.cancelled]:
+                        if request.finish_reason is None:
+                            request.finish_reason = "abort"
+                            yield StreamEvent(request.index, -1, "", "abort")
                         self.cache.finish(request.seq_id)
                         running.remove(request)
         finally:  # a consumer that stops early, or an error, still releases every admitted sequence

@@ -128,7 +128,7 @@ def test_bad_requests_are_refused_and_the_engine_stays_usable():
             engine.generate([list(range(60))], max_new_tokens=10)
         with pytest.raises(ValueError, match="outside \\[0, 320\\)"):
             engine.generate([[1, 2, 999]])
-        with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
             engine.generate(["x"], max_new_tokens=0)
         assert not engine.cache.seqs and engine.cache.free_blocks() == engine.cache.transfer_alloc.num_blocks + \
             sum(a.num_blocks for a in engine.cache.compute_alloc)
