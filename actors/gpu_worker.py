@@ -114,7 +114,8 @@ class GPUWorker:
             raise ValueError("prompts is empty: pass one or more strings or lists of token ids")
         if params is not None and len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: one per prompt")
-        return self.service.submit_many(prompts, params or [defaults] * len(prompts), call_seed=defaults.seed,
+        shared = dataclasses.replace(defaults, seed=None)  # the call's seed seeds each prompt by its position
+        return self.service.submit_many(prompts, params or [shared] * len(prompts), call_seed=defaults.seed,
                                         loop=asyncio.get_running_loop(), keep_logits=keep_logits)
 
     async def state(self) -> dict:

@@ -13,6 +13,7 @@ token, or max_new_tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -210,7 +211,9 @@ class Engine:
             raise ValueError("prompts is empty: pass one or more strings or lists of token ids")
         if params is not None and len(params) != len(prompts):
             raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: one per prompt")
-        return [self.make_request(index, prompt, params[index] if params else defaults, call_seed=defaults.seed)
+        # the call's seed seeds each prompt by its position; a SamplingParams' own seed wins
+        shared = dataclasses.replace(defaults, seed=None)
+        return [self.make_request(index, prompt, params[index] if params else shared, call_seed=defaults.seed)
                 for index, prompt in enumerate(prompts)]
 
     def make_request(self, index: int, prompt, params: SamplingParams, call_seed: int | None = None,
