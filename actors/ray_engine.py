@@ -30,6 +30,7 @@ from writescope.actors.region_owner import RegionOwner
 from writescope.actors.scheduler import WriteScopeScheduler
 from writescope.engine import engine_cache_config, load_model_config
 from writescope.executor import LocalExecutor, merge_all, register_executor
+from writescope.service import QueueFullError
 from writescope.topology import NumaNode, topology
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,12 @@ class RayEngine:
     async def submit(self, prompt, params) -> int:
         """Queues one request in the running batch (for servers): its id. Raises QueueFullError when
         the queue for KV capacity is full, ValueError for a bad or too long prompt."""
-        return await self.gpu_worker.submit.remote(prompt, params)
+        try:
+            return await self.gpu_worker.submit.remote(prompt, params)
+        except ray.exceptions.RayTaskError as error:  # the worker's own refusal, as its own type
+            if isinstance(error.cause, QueueFullError | ValueError):
+                raise error.cause from None
+            raise
 
     async def stream(self, request_id: int):
         """The StreamEvents of a submitted request; closing this generator early cancels it."""
@@ -188,6 +194,10 @@ class RayEngine:
             yield await ref
 
     # ------------------------------------------------------------------ inspection
+    def current_share(self) -> float | None:
+        """r* for the batch running now (None when nothing runs)."""
+        return ray.get(self.gpu_worker.state.remote())["cpu_share_now"]
+
     def state(self) -> dict:
         """The GPU worker's queue, occupancy and counters, and the scheduler's r*."""
         return {**ray.get(self.gpu_worker.state.remote()), "scheduler": self.scheduler_state()}

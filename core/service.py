@@ -30,8 +30,12 @@ class QueueFullError(RuntimeError):
     """Too many requests wait for KV capacity; retry after retry_after_s."""
 
     def __init__(self, waiting: int, retry_after_s: int):
+        self.waiting = waiting
         self.retry_after_s = retry_after_s
         super().__init__(f"{waiting} requests already wait for KV capacity (the limit): retry in {retry_after_s} s")
+
+    def __reduce__(self):  # crosses process boundaries (Ray) with its fields
+        return QueueFullError, (self.waiting, self.retry_after_s)
 
 
 class RequestStream:
