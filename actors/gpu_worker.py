@@ -83,11 +83,12 @@ class GPUWorker:
                 task.cancel()
                 stream.cancel()
 
-    async def submit(self, prompt, params) -> int:
-        """Queues one request (the Serve ingress): its id, or QueueFullError / ValueError at once."""
+    async def submit(self, prompt, params) -> dict:
+        """Queues one request (servers, batch jobs): {id, prompt_tokens}, or QueueFullError /
+        ValueError at once."""
         stream = self.service.submit(prompt, params, loop=asyncio.get_running_loop())
         self._pending[stream.request_id] = stream
-        return stream.request_id
+        return {"id": stream.request_id, "prompt_tokens": len(stream.request.prompt)}
 
     @ray.method(num_returns="streaming")
     async def stream(self, request_id: int):

@@ -181,6 +181,10 @@ class RayEngine:
     async def submit(self, prompt, params) -> int:
         """Queues one request in the running batch (for servers): its id. Raises QueueFullError when
         the queue for KV capacity is full, ValueError for a bad or too long prompt."""
+        return (await self.submit_request(prompt, params))["id"]
+
+    async def submit_request(self, prompt, params) -> dict:
+        """As submit: {"id", "prompt_tokens"}."""
         try:
             return await self.gpu_worker.submit.remote(prompt, params)
         except ray.exceptions.RayTaskError as error:  # the worker's own refusal, as its own type

@@ -25,14 +25,6 @@ PROMPTS = [[5, 6, 7] * 50, list(range(1, 110))]
 OPTIONS = {"window_tokens": 8, "block_size": 4, "max_batch_size": 2, "max_seq_len": 200}
 
 
-@pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    os.environ.setdefault("WRITESCOPE_CACHE_DIR", str(tmp_path_factory.mktemp("calibration")))
-    start_local_ray(num_cpus=2)
-    yield
-    ray.shutdown()
-
-
 def local_tokens(preset, policy):
     engine = Engine.from_pretrained(preset, policy=policy, **OPTIONS)
     try:
