@@ -19,7 +19,7 @@ import os
 
 import ray
 
-from writescope.engine import GenerationOutput, SamplingParams
+from writescope.engine import GenerationOutput, SamplingParams, placement
 from writescope.service import EngineService
 
 
@@ -131,7 +131,8 @@ class GPUWorker:
                 "cpu_share_at_32k": self.engine.policy.share(32768),
                 "occupancy": {"cpu_compute": compute_used / max(compute_total, 1),
                               "cpu_transfer": len(cache.transfer_alloc.allocated) / max(config.transfer_blocks, 1)},
-                "steps": self.engine.stats["steps"], "decode_s": self.engine.stats["decode_s"]}
+                "steps": self.engine.stats["steps"], "decode_s": self.engine.stats["decode_s"],
+                **placement(self.engine)}
 
     async def check_integrity(self) -> None:
         self.engine.cache.check_integrity()

@@ -464,6 +464,19 @@ def _load_tokenizer(path: str):
     return Tokenizer.from_file(file)
 
 
+def placement(engine: Engine) -> dict:
+    """Where the live sequences' KV is (tokens per region), the tokens outside the window, and the
+    CPU share the policy wants for them now."""
+    cache = engine.cache
+    placed = {"cpu_compute": 0, "cpu_transfer": 0, "gpu_window": 0}
+    for state in list(cache.seqs.values()):
+        for p in state.blocks:
+            placed[p.region.value] += cache.block_size
+        placed["gpu_window"] += state.window_len
+    spilled = placed["cpu_compute"] + placed["cpu_transfer"]
+    return {"placed_tokens": placed, "spilled_tokens": spilled, "cpu_share_spilled": engine.policy.share(spilled)}
+
+
 def load_model(path_or_preset: str, dtype=None, seed: int = 0):
     """(ModelConfig, weights on the CPU, tokenizer or None, torch dtype) of a checkpoint directory or preset."""
     config, torch_dtype = load_model_config(path_or_preset, dtype)

@@ -139,7 +139,7 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 131072],
                         help="context lengths in tokens")
@@ -151,7 +151,7 @@ def main():
     parser.add_argument("--no-peers", action="store_true", help="skip the torch peers")
     parser.add_argument("--read-bytes", type=int, default=1 << 30, help="buffer of the bandwidth probe")
     parser.add_argument("--out", default="bench_results/cpu_attention.json", help="JSON output path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
 

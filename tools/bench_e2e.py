@@ -86,7 +86,7 @@ def transformers_tok_s(path, prompts, new_tokens, dtype, device="cpu") -> dict:
     return {"prefill_s": clock.times[0] - started, "decode_tok_s": median_step_tok_s(clock.times, len(prompts))}
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny-qwen3-moe", choices=list(PRESETS), help="model preset")
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768], help="prompt tokens")
@@ -96,7 +96,7 @@ def main():
     parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), choices=POLICY_NAMES, help="policies")
     parser.add_argument("--device", default="cpu", help="device of the engine and of transformers (cuda on a GPU)")
     parser.add_argument("--out", default="bench_results/e2e.json", help="JSON output path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = []
     with tempfile.TemporaryDirectory() as path:

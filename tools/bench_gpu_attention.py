@@ -149,7 +149,7 @@ def markdown_table(result):
     return "\n".join(lines)
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192, 32768, 131072], help="context lengths")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (the engine's default)")
@@ -157,7 +157,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=30, help="timed calls (median reported)")
     parser.add_argument("--smoke", action="store_true", help="tiny run on the CPU interpreter: checks the script")
     parser.add_argument("--out", default="bench_results/gpu_attention.json", help="JSON output path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
     device = "cpu" if args.smoke else "cuda"

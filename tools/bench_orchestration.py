@@ -137,13 +137,13 @@ def remove_graph_semaphores(pids) -> None:
                 os.unlink(os.path.join("/dev/shm", name))
 
 
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768], help="context tokens")
     parser.add_argument("--new-tokens", type=int, default=24, help="decode steps timed (plus one)")
     parser.add_argument("--repeats", type=int, default=200, help="round trips timed in part 2")
     parser.add_argument("--out", default="bench_results/orchestration.json", help="JSON output path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     os.environ.setdefault("RAY_CGRAPH_teardown_timeout", "5")
     start_local_ray(num_cpus=2)

@@ -1,4 +1,6 @@
-"""The end-to-end demo (`make run`): a tiny MoE preset decodes a long context under every policy.
+"""The end-to-end demo (`make run`): a tiny MoE preset decodes a long context under every policy,
+through the Ray executor on an embedded local Ray (nothing to set up; `--executor local` for one
+process).
 
 For each policy: prefill of the batch straight into InplaceKVCache, then decoding with a progress
 bar; reports prefill time, decode tok/s, where the KV was placed, and r* as the context grows.
@@ -19,16 +21,19 @@ import time
 import torch
 from tqdm import tqdm
 
-from writescope.engine import Engine
+from writescope.engine import Engine, placement
 from writescope.models.presets import PRESETS
-from writescope.policies import POLICY_NAMES, Region
+from writescope.policies import POLICY_NAMES
+from writescope.topology import emulated_topology
 
 log = logging.getLogger("demo")
 
 
 def run_policy(args, policy: str, prompts) -> dict:
+    options = {"executor_options": {"nodes": emulated_topology(args.emulated_nodes)}} if args.emulated_nodes else {}
     engine = Engine.from_pretrained(args.preset, policy=policy, dtype=args.dtype, max_batch_size=args.batch,
-                                    max_seq_len=args.context + args.new_tokens, window_tokens=args.window)
+                                    max_seq_len=args.context + args.new_tokens, window_tokens=args.window,
+                                    executor=args.executor, **options)
     try:
         started = time.perf_counter()
         shares, placed, first_token_s = [], {}, None
@@ -39,10 +44,10 @@ def run_policy(args, policy: str, prompts) -> dict:
                 first_token_s = time.perf_counter() - started
                 decode_started = time.perf_counter()
             if bar.n % (args.batch * 8) == 0:  # every 8 decode steps
-                spilled = engine.cache.spilled_tokens()
-                shares.append((spilled, round(engine.policy.share(spilled), 3)))
-            if engine.cache.seqs:
-                placed = _placement(engine)
+                state = engine.state() if args.executor == "ray" else placement(engine)
+                shares.append((state["spilled_tokens"], round(state["cpu_share_spilled"], 3)))
+                if sum(state["placed_tokens"].values()):  # not after the last sequence finished
+                    placed = state["placed_tokens"]
         bar.close()
         decode_s = time.perf_counter() - decode_started
         decoded = args.batch * (args.new_tokens - 1)
@@ -52,16 +57,7 @@ def run_policy(args, policy: str, prompts) -> dict:
         engine.shutdown()
 
 
-def _placement(engine) -> dict:
-    counts = {r.value: 0 for r in Region}
-    for state in engine.cache.seqs.values():
-        for p in state.blocks:
-            counts[p.region.value] += engine.cache.block_size
-    counts["gpu_window"] = sum(s.window_len for s in engine.cache.seqs.values())
-    return counts
-
-
-def main():
+def main(argv: list[str] | None = None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny-qwen3-moe", choices=list(PRESETS), help="model preset")
     parser.add_argument("--batch", type=int, default=4, help="sequences decoded together")
@@ -71,9 +67,20 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV dtype")
     parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), choices=POLICY_NAMES,
                         help="policies to run, in order")
+    parser.add_argument("--executor", default="ray", choices=["ray", "local"],
+                        help="ray: the engine's actors on an embedded local Ray (started here); local: one process")
+    parser.add_argument("--emulated-nodes", type=int, default=None,
+                        help="ray: split this machine's CPUs into N emulated NUMA nodes, one CPU worker each")
     parser.add_argument("--out", default="bench_results/demo.json", help="JSON output path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if args.executor == "ray":
+        import ray
+
+        from writescope.actors.local_ray import start_local_ray
+
+        if not ray.is_initialized():
+            start_local_ray()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (args.context,), generator=generator).tolist() for _ in range(args.batch)]
     results = [run_policy(args, policy, prompts) for policy in args.policies]
@@ -81,7 +88,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
     print(f"\n{args.preset}, batch {args.batch} x {args.context} tokens of context, {args.new_tokens} new tokens, "
-          f"{args.dtype}")
+          f"{args.dtype}, executor {args.executor}")
     print("| policy | prefill s | decode tok/s | placed: cpu_compute / cpu_transfer / window "
           "| r* every 8 steps (online correction) |")
     print("|---|---|---|---|---|")
