@@ -23,5 +23,7 @@ def start_local_ray(num_cpus: int | None = None, **options) -> None:
                          f"unset it or set it to 'token'")
     options.setdefault("include_dashboard", False)
     options.setdefault("log_to_driver", False)
-    ray.init(num_cpus=num_cpus, **options)
+    # address="local": always a new cluster, never one found in /tmp/ray/ray_current_cluster (Ray
+    # leaves that file behind when a `ray start --head --block` is killed)
+    ray.init(address="local", num_cpus=num_cpus, **options)
     assert os.environ.get("RAY_AUTH_MODE") == "token", "ray.init() left token authentication off"

@@ -116,14 +116,15 @@ class RayEngine:
         engine_id = secrets.token_hex(4)
         socket_dir = tempfile.mkdtemp(prefix=f"writescope-{engine_id}-")  # 0700: only this user connects
         fmt = cache_config.format
-        specs = [ChannelSpec(shm_name=f"writescope_{engine_id}_channel_{i}",
+        specs = [ChannelSpec(shm_name="named by the owner",
                              socket_path=os.path.join(socket_dir, f"cpu{i}.sock"), max_seqs=cache_config.max_seqs,
                              max_blocks=cache_config.compute_blocks_per_shard, num_q_heads=config.num_q_heads,
                              head_dim_qk=fmt.head_dim_k, head_dim_v=fmt.head_dim_v) for i in range(len(nodes))]
-        owner = RegionOwner.remote(cache_config, specs, f"writescope_{engine_id}", gpus > 0)
+        owner = RegionOwner.remote(cache_config, specs, engine_id, gpus > 0)
         actors = [owner]
         try:
             compute_handles, transfer_handle = ray.get(owner.handles.remote())
+            specs = ray.get(owner.channel_specs.remote())
             cpu_workers = [CPUWorker.remote(node, compute_handles[i], specs[i]) for i, node in enumerate(nodes)]
             scheduler = WriteScopeScheduler.remote()
             actors += [*cpu_workers, scheduler]

@@ -3,8 +3,9 @@ cpu_compute shards, cpu_transfer and the CPU workers' channels) and removes them
 
 Authoritative state: the segments' existence. Workers attach by handle and never own; the GPU
 worker and the CPU workers can die and restart without a byte of KV going away. This actor does
-no work after creation, so it is not restarted: if it dies, its process's resource tracker unlinks
-the segments and the engine must be rebuilt (check_health says so first).
+no work after creation, so it is not restarted: if it dies, the engine must be rebuilt
+(check_health says so first). Segment names carry this process's PID, so segments left by an owner
+that died with its cluster are removed by the next owner or cache created on the machine.
 """
 
 from __future__ import annotations
@@ -17,10 +18,17 @@ import ray
 
 @ray.remote(num_cpus=0)
 class RegionOwner:
-    def __init__(self, cache_config, channel_specs, name_prefix: str, pin: bool):
-        from writescope.actors.channel import create_segment
-        from writescope.kv_regions import HostRegion
+    def __init__(self, cache_config, channel_specs, engine_id: str, pin: bool):
+        import dataclasses
 
+        from writescope.actors.channel import create_segment
+        from writescope.kv_regions import HostRegion, reap_orphaned_segments, segment_prefix
+
+        reap_orphaned_segments()  # what owners killed with their cluster left behind
+        name_prefix = f"{segment_prefix()}_{engine_id}"  # the PID in the name: orphans can be found
+        channel_specs = [dataclasses.replace(spec, shm_name=f"{name_prefix}_channel_{i}")
+                         for i, spec in enumerate(channel_specs)]
+        self.specs = channel_specs
         fmt = cache_config.format
         self.compute = [HostRegion.create("cpu_compute", fmt, cache_config.compute_blocks_per_shard, shard=s,
                                           pin=False, name_prefix=name_prefix)
@@ -29,6 +37,10 @@ class RegionOwner:
         self.transfer = HostRegion.create("cpu_transfer", fmt, cache_config.transfer_blocks, pin=pin,
                                           name_prefix=name_prefix)
         self.channels = [create_segment(spec) for spec in channel_specs]
+
+    def channel_specs(self):
+        """The channels' specs with the names of the segments made here."""
+        return self.specs
 
     def handles(self) -> tuple[list[bytes], bytes]:
         """([cpu_compute handle per shard], cpu_transfer handle), msgpack bytes."""

@@ -11,6 +11,9 @@ an out-of-bounds access.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import re
 import secrets
 from dataclasses import dataclass, field, fields
 from multiprocessing import resource_tracker, shared_memory
@@ -20,6 +23,8 @@ import numpy as np
 import torch
 
 from writescope.kv_format import LAYOUTS, KVFormat
+
+log = logging.getLogger(__name__)
 
 HOST_KINDS = ("cpu_compute", "cpu_transfer")
 _ALIGN_BYTES = 4096
@@ -131,7 +136,10 @@ class HostRegion:
 
     @classmethod
     def create(cls, kind: str, fmt: KVFormat, num_blocks: int, *, shard: int = 0, pin: bool | None = None,
-               name_prefix: str = "writescope") -> HostRegion:
+               name_prefix: str | None = None) -> HostRegion:
+        """name_prefix must start with segment_prefix() of the creating process (the default), so a
+        segment whose creator died without unlinking it can be found and removed later."""
+        name_prefix = name_prefix or segment_prefix()
         offsets, end = [], 0
         for dim in fmt.stored_dims:
             offsets.append(end)
@@ -206,6 +214,40 @@ class HostRegion:
                 self._shm.unlink()
             _CREATED_HERE.discard(self.handle.shm_name)
         self._shm = None
+
+
+_OWNED_NAME = re.compile(r"^writescope_p(\d+)_")
+
+
+def segment_prefix(pid: int | None = None) -> str:
+    """The name prefix of the shared-memory segments a process creates: it carries the creator's PID."""
+    return f"writescope_p{os.getpid() if pid is None else pid}"
+
+
+def reap_orphaned_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlinks WriteScope segments whose creating process is gone: what a SIGKILLed engine (or a Ray
+    cluster torn down under it) left behind. Returns the names removed. Assumes /dev/shm is not
+    shared with another PID namespace (true of a host and of a container)."""
+    removed = []
+    for name in sorted(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else []:
+        match = _OWNED_NAME.match(name)
+        if match and not _alive(int(match.group(1))):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+    if removed:
+        log.warning("removed %d shared-memory segments of dead WriteScope processes: %s", len(removed), removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 def _buffer_address(shm) -> int:

@@ -1,7 +1,9 @@
 """Region handles: another process maps the same bytes; a tampered handle is refused."""
 
+import contextlib
 import dataclasses
 import hashlib
+import os
 import subprocess
 import sys
 
@@ -108,3 +110,26 @@ def test_handle_with_a_wrong_format_is_refused():
 def test_garbage_is_not_a_handle():
     with pytest.raises(ValueError, match="not a region handle|needs the fields"):
         RegionHandle.from_bytes(b"\xc1garbage")
+
+
+def test_segments_of_dead_creators_are_reaped_and_live_ones_kept():
+    from multiprocessing import shared_memory
+
+    from writescope.kv_regions import reap_orphaned_segments, segment_prefix
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = shared_memory.SharedMemory(name=f"{segment_prefix(dead.pid)}_test_orphan", create=True, size=64)
+    mine = shared_memory.SharedMemory(name=f"{segment_prefix()}_test_live", create=True, size=64)
+    try:
+        removed = reap_orphaned_segments()
+        assert orphan.name.lstrip("/") in removed
+        assert mine.name.lstrip("/") not in removed
+        assert os.path.exists(f"/dev/shm/{mine.name.lstrip('/')}")
+        assert not os.path.exists(f"/dev/shm/{orphan.name.lstrip('/')}")
+    finally:
+        orphan.close()
+        mine.close()
+        mine.unlink()
+        with contextlib.suppress(FileNotFoundError):
+            orphan.unlink()
