@@ -19,7 +19,7 @@ import os
 
 import ray
 
-from writescope.engine import GenerationOutput, SamplingParams, placement
+from writescope.engine import GenerationOutput, SamplingParams, call_params, placement
 from writescope.service import EngineService
 
 
@@ -109,14 +109,8 @@ class GPUWorker:
                                   kwargs.pop("top_p", 1.0), kwargs.pop("seed", None), kwargs.pop("stop", None) or ())
         if kwargs:
             raise ValueError(f"unknown generate arguments: {sorted(kwargs)}")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise ValueError("prompts is empty: pass one or more strings or lists of token ids")
-        if params is not None and len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: one per prompt")
-        shared = dataclasses.replace(defaults, seed=None)  # the call's seed seeds each prompt by its position
-        return self.service.submit_many(prompts, params or [shared] * len(prompts), call_seed=defaults.seed,
+        prompts, per_prompt = call_params(prompts, defaults, params)
+        return self.service.submit_many(prompts, per_prompt, call_seed=defaults.seed,
                                         loop=asyncio.get_running_loop(), keep_logits=keep_logits)
 
     async def state(self) -> dict:

@@ -205,16 +205,9 @@ class Engine:
         yield from self._run(requests)
 
     def _make_requests(self, prompts, defaults: SamplingParams, params=None) -> list[_Request]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        if not prompts:
-            raise ValueError("prompts is empty: pass one or more strings or lists of token ids")
-        if params is not None and len(params) != len(prompts):
-            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: one per prompt")
-        # the call's seed seeds each prompt by its position; a SamplingParams' own seed wins
-        shared = dataclasses.replace(defaults, seed=None)
-        return [self.make_request(index, prompt, params[index] if params else shared, call_seed=defaults.seed)
-                for index, prompt in enumerate(prompts)]
+        prompts, per_prompt = call_params(prompts, defaults, params)
+        return [self.make_request(index, prompt, p, call_seed=defaults.seed)
+                for index, (prompt, p) in enumerate(zip(prompts, per_prompt, strict=True))]
 
     def make_request(self, index: int, prompt, params: SamplingParams, call_seed: int | None = None,
                      position: int | None = None) -> _Request:
@@ -462,6 +455,19 @@ def _load_tokenizer(path: str):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(file)
+
+
+def call_params(prompts, defaults: SamplingParams, params=None) -> tuple[list, list[SamplingParams]]:
+    """One call's prompts as a list, and each prompt's SamplingParams: its own, else the call's
+    settings with no seed of their own (the call's seed then seeds each prompt by its position)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("prompts is empty: pass one or more strings or lists of token ids")
+    if params is not None and len(params) != len(prompts):
+        raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: one per prompt")
+    return list(prompts), list(params) if params is not None else [dataclasses.replace(defaults, seed=None)] * len(
+        prompts)
 
 
 def placement(engine: Engine) -> dict:

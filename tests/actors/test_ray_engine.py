@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -135,9 +136,12 @@ def test_shutdown_removes_every_segment_socket_and_actor(ray_cluster):
     engine.shutdown()
     assert not [name for name in names if os.path.exists(f"/dev/shm/{name}")]
     assert not os.path.exists(socket_dir)
-    for actor in actors:
+    for actor in actors:  # ray.kill is asynchronous: each actor is gone within a few seconds
+        deadline = time.monotonic() + 30
         with pytest.raises(ray.exceptions.RayActorError):
-            ray.get(actor.check_health.remote(), timeout=30)
+            while time.monotonic() < deadline:
+                ray.get(actor.check_health.remote(), timeout=30)
+                time.sleep(0.2)
 
 
 def test_token_authentication_is_on(ray_cluster):
