@@ -4,10 +4,12 @@ workers (one per NUMA node, real or emulated) and the threads each worker runs.
 For each (workers, threads per worker) of the sweep:
   1. CPU attention: one Ray actor per worker pins every thread of its process and the C++ kernel's
      pool to the first `threads` CPUs of its node, fills its own KV (first touch after pinning, so on
-     a real node the pages are local), and all workers run `ops.partial_attention` concurrently
-     (warm-up, then the median of --repeats calls). Aggregate GB/s = the KV bytes of all workers /
-     the slowest worker's median. The same workers also run the extension's streaming-read probe
-     concurrently: the read bandwidth that this set of pinned threads can pull.
+     a real node the pages are local). The workers warm up together, then all call
+     `ops.partial_attention` without pause through one shared time window (long enough for
+     --repeats calls each), so every timed call runs against all the others; each worker's median
+     call is taken, and aggregate GB/s = the KV bytes of all workers / the slowest worker's median.
+     The same workers then run the extension's streaming-read probe concurrently: about the read
+     bandwidth this set of pinned threads can pull.
   2. Decode: `Engine.from_pretrained(preset, policy="all_cpu", executor="ray")` with those nodes as
      its CPU workers decodes a random prompt batch; tok/s = batch / the median gap between decode
      step ends, after two warm-up steps (as tools/bench_e2e.py).
@@ -37,8 +39,11 @@ log = logging.getLogger(__name__)
 CSV_COLUMNS = ("workers", "threads_per_worker", "total_threads", "attention_gbps", "decode_tok_s",
                "roofline_read_gbps", "attention_of_roofline", "workers_read_gbps", "attention_of_workers_read")
 DEFAULTS = {"context": 8192, "attention_tokens": 32768, "repeats": 9, "read_mib": 512}
-QUICK = {"context": 512, "attention_tokens": 2048, "repeats": 1, "read_mib": 32}
+QUICK = {"context": 512, "attention_tokens": 2048, "repeats": 1, "read_mib": 128}
+MIN_READ_BYTES = 64 << 20  # per worker: past the last-level cache, so the probe reads DRAM
 START_DELAY_S = 0.5  # the workers start their timed loops together, this long after the driver asks
+MIN_WINDOW_S = 0.25  # the shortest window the workers' timed calls run in together
+READ_REPEATS = 40  # of each worker's read probe: many, so the concurrent probes overlap (each fills its buffer first)
 
 
 @dataclass(frozen=True)
@@ -138,14 +143,32 @@ class AttentionWorker:
         return {"pid": os.getpid(), "pool_threads": _cpu.num_threads(), "pinned_cpus": list(_cpu.pinned_cpus()),
                 "affinity": sorted(os.sched_getaffinity(0))}
 
-    def attention_s(self, start_at: float, warmup: int, repeats: int) -> float:
-        """Median seconds of one partial attention over this worker's KV, timed from start_at (epoch)."""
+    def _call(self):
         from writescope import ops
-        from writescope.calibration import median_time_s
 
         q, k, v, scale = self.inputs
+        return ops.partial_attention(q, k, v, scale=scale, backend="cpu")
+
+    def warm_up(self, warmup: int) -> float:
+        """`warmup` untimed calls, then the median of three: an estimate of one call's seconds."""
+        from writescope.calibration import median_time_s
+
+        return median_time_s(self._call, 3, warmup)
+
+    def attention_s(self, start_at: float, end_at: float, repeats: int) -> tuple[float, int]:
+        """(median seconds, calls) of the calls that ran inside [start_at, end_at] (epoch seconds): every
+        worker calls without pause through the same window, so each timed call runs against all the
+        others. At least `repeats` calls: past the window only if it was too short for them."""
         time.sleep(max(0.0, start_at - time.time()))
-        return median_time_s(lambda: ops.partial_attention(q, k, v, scale=scale, backend="cpu"), repeats, warmup)
+        times = []
+        while True:
+            started = time.perf_counter()
+            self._call()
+            elapsed = time.perf_counter() - started
+            if time.time() > end_at and len(times) >= repeats:
+                break  # ended after the window: the others may have stopped
+            times.append(elapsed)
+        return statistics.median(times), len(times)
 
     def read_gbps(self, start_at: float, num_bytes: int, repeats: int) -> float:
         """Median streaming-read GB/s of this worker's pinned pool, started at start_at (epoch)."""
@@ -176,12 +199,15 @@ def measure_attention(actors: list, point: Point, *, shape: str, tokens_per_work
     for info, node in zip(infos, point.nodes, strict=True):
         if info["affinity"] != sorted(node.cpus) or info["pool_threads"] != len(node.cpus):
             raise RuntimeError(f"worker {info['pid']} did not pin to {list(node.cpus)}: {info}")
+    estimate = max(ray.get([a.warm_up.remote(warmup) for a in actors]))  # the workers warm up together
     start_at = time.time() + START_DELAY_S
-    seconds = ray.get([a.attention_s.remote(start_at, warmup, repeats) for a in actors])
+    end_at = start_at + max(MIN_WINDOW_S, 2 * repeats * estimate)
+    timed = ray.get([a.attention_s.remote(start_at, end_at, repeats) for a in actors])
+    seconds = [s for s, _ in timed]
     start_at = time.time() + START_DELAY_S
-    reads = ray.get([a.read_gbps.remote(start_at, read_bytes, max(repeats, 3)) for a in actors])
+    reads = ray.get([a.read_gbps.remote(start_at, read_bytes, READ_REPEATS) for a in actors])
     total_bytes = point.workers * kv_bytes_of(shape, tokens_per_worker)
-    log.debug("workers=%d threads=%d: per-worker medians %s s", point.workers, point.threads, seconds)
+    log.debug("workers=%d threads=%d: per-worker (median s, calls) %s", point.workers, point.threads, timed)
     return {"attention_gbps": total_bytes / max(seconds) / 1e9, "workers_read_gbps": sum(reads)}
 
 
@@ -244,7 +270,7 @@ def run_sweep(points: list[Point], args, progress: bool = True) -> tuple[list[di
                            "total_threads": point.total_threads}
                     row.update(measure_attention(actors, point, shape=args.shape, tokens_per_worker=tokens,
                                                  warmup=args.warmup, repeats=args.repeats,
-                                                 read_bytes=max(read_bytes // workers, 1 << 20)))
+                                                 read_bytes=max(read_bytes // workers, MIN_READ_BYTES)))
                     row["decode_tok_s"] = decode_tok_s(point, preset=args.preset, context=args.context,
                                                        batch=args.batch, new_tokens=args.new_tokens)
                     log.info("workers=%d threads=%d: attention %.1f GB/s (workers' read %.1f GB/s), decode %.1f tok/s",
@@ -280,7 +306,7 @@ def plot(rows: list[dict], path: str, roofline: float, title: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    figure = Figure(figsize=(11, 4.6), layout="constrained")
     FigureCanvasAgg(figure)
     attention_ax, decode_ax = figure.subplots(1, 2)
     for workers in sorted({r["workers"] for r in rows}):
@@ -291,14 +317,16 @@ def plot(rows: list[dict], path: str, roofline: float, title: str) -> None:
         decode_ax.plot(x, [r["decode_tok_s"] for r in mine], marker="o", label=label)
     attention_ax.axhline(roofline, color="grey", linestyle="--", label=f"read roofline {roofline:.1f} GB/s")
     attention_ax.set(xlabel="total threads (workers x threads per worker)", ylabel="aggregate KV GB/s",
-                     title="CPU partial attention", ylim=(0, None))
+                     title="CPU partial attention")
     decode_ax.set(xlabel="total threads (workers x threads per worker)", ylabel="decode tok/s",
-                  title="end-to-end decode (Ray, all_cpu)", ylim=(0, None))
+                  title="end-to-end decode (Ray, all_cpu)")
     threads = sorted({r["total_threads"] for r in rows})
-    for ax in (attention_ax, decode_ax):
+    tops = (max(roofline, *(r["attention_gbps"] for r in rows)), max(r["decode_tok_s"] for r in rows))
+    for ax, top in zip((attention_ax, decode_ax), tops, strict=True):
         ax.set_xticks(threads)
+        ax.set_ylim(0, top * 1.35)  # the legend's room, above every point and the roofline
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(loc="upper left")
     figure.suptitle(title)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     figure.savefig(path, dpi=120)
@@ -354,11 +382,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--shape", default="qwen3-moe", choices=[s.name for s in SHAPES],
         help="attention shape, bf16 KV, from tools/bench_cpu_attention.py (default qwen3-moe)")
     add("--repeats", type=_positive_int, default=None,
-        help=f"timed attention calls per worker, median taken (default {DEFAULTS['repeats']}, "
+        help=f"timed attention calls per worker at least, in a window shared by the workers, median taken "
+             f"(default {DEFAULTS['repeats']}, "
              f"--quick {QUICK['repeats']})")
     add("--warmup", type=int, default=2, help="untimed attention calls per worker before timing (default 2)")
     add("--read-mib", type=_positive_int, default=None,
-        help=f"buffer of the read-bandwidth probes in MiB, split across the workers "
+        help=f"buffer of the read-bandwidth probes in MiB, split across the workers, 64 MiB each at least "
              f"(default {DEFAULTS['read_mib']}, --quick {QUICK['read_mib']})")
     add("--csv", default="bench_results/numa_scaling.csv",
         help="CSV output path (default bench_results/numa_scaling.csv)")
@@ -423,9 +452,9 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     write_csv(rows, args.csv)
     cpus = len(os.sched_getaffinity(0))
-    title = (f"{cpus} CPUs, {len(read_topology())} NUMA node(s), workers on {args.nodes} nodes; attention "
-             f"{args.shape} bf16 {args.attention_tokens} tokens; decode {args.preset} {args.batch} x "
-             f"{args.context} tokens")
+    title = (f"{cpus} CPUs, {len(read_topology())} NUMA node(s), CPU workers on {args.nodes} nodes\n"
+             f"attention: {args.shape}, bf16, {args.attention_tokens} KV tokens in all; decode: {args.preset}, "
+             f"batch {args.batch} x {args.context} tokens of context")
     plot(rows, args.png, roofline, title)
     log.info("wrote %s and %s", args.csv, args.png)
     print(markdown_table(rows))
