@@ -16,7 +16,6 @@ KV bytes = num_kv_heads * seq_len * (head_dim_qk + head_dim_v) * 2, but MLA read
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -27,6 +26,7 @@ import torch
 
 from writescope import _cpu, ops
 from writescope.calibration import median_time_s
+from writescope.tools.results import write_json
 
 log = logging.getLogger("bench_cpu_attention")
 
@@ -181,9 +181,7 @@ def main(argv: list[str] | None = None):
         "shapes": [asdict(s) for s in SHAPES if s.name in args.shapes],
         "rows": rows,
     }
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(markdown_table(result))
 
 

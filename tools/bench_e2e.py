@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 from writescope.engine import Engine
 from writescope.models.presets import PRESETS, preset_config, preset_weights
 from writescope.policies import POLICY_NAMES
+from writescope.tools.results import write_json
 
 log = logging.getLogger("bench_e2e")
 WARMUP_STEPS = 2
@@ -111,9 +112,7 @@ def main(argv: list[str] | None = None):
                     row[policy] = engine_tok_s(path, policy, prompts, args.new_tokens, args.dtype, args.device)
                 log.info("%s", json.dumps(row))
                 rows.append(row)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    write_json(args.out, {"args": vars(args), "rows": rows})
     header = ["context", "batch", "transformers", *args.policies, "best vs transformers"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))

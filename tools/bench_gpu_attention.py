@@ -16,15 +16,14 @@ result is checked against SDPA before it is timed. The kernel is timed through
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import statistics
 import time
 
 import torch
 
 from writescope.tools.bench_cpu_attention import SHAPES, flops, kv_bytes
+from writescope.tools.results import write_json
 
 log = logging.getLogger("bench_gpu_attention")
 
@@ -176,9 +175,7 @@ def main(argv: list[str] | None = None):
             rows.append(bench_row(shape, seq_len, device, machine["copy_gbps"], args))
             log.info("%s L=%d: %.3f ms", shape.name, seq_len, rows[-1]["kernel_ms"])
     result = {"machine": machine, "rows": rows}
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    write_json(args.out, result)
     print(markdown_table(result))
 
 

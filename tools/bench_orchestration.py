@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import os
 import statistics
@@ -31,6 +30,7 @@ import torch
 from writescope.actors.channel import ChannelSpec, PartialClient, create_segment
 from writescope.actors.local_ray import start_local_ray
 from writescope.engine import Engine
+from writescope.tools.results import write_json
 from writescope.topology import emulated_topology
 
 log = logging.getLogger("bench_orchestration")
@@ -160,9 +160,7 @@ def main(argv: list[str] | None = None):
         trips = round_trips_ms(args.repeats)
     finally:
         ray.shutdown()
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"rows": rows, "round_trip": trips}, f, indent=2)
+    write_json(args.out, {"rows": rows, "round_trip": trips})
     print("| context | CPU workers | local ms/step | ray ms/step | overhead ms/layer | overhead share |")
     print("|---|---|---|---|---|---|")
     for r in rows:

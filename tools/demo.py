@@ -13,9 +13,7 @@ is a host memcpy, so the measured r* says little about a GPU machine (see the po
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import time
 
 import torch
@@ -24,6 +22,7 @@ from tqdm import tqdm
 from writescope.engine import Engine, placement
 from writescope.models.presets import PRESETS
 from writescope.policies import POLICY_NAMES
+from writescope.tools.results import write_json
 from writescope.topology import emulated_topology
 
 log = logging.getLogger("demo")
@@ -84,9 +83,7 @@ def main(argv: list[str] | None = None):
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (args.context,), generator=generator).tolist() for _ in range(args.batch)]
     results = [run_policy(args, policy, prompts) for policy in args.policies]
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"args": vars(args), "results": results}, f, indent=2)
+    write_json(args.out, {"args": vars(args), "results": results})
     print(f"\n{args.preset}, batch {args.batch} x {args.context} tokens of context, {args.new_tokens} new tokens, "
           f"{args.dtype}, executor {args.executor}")
     print("| policy | prefill s | decode tok/s | placed: cpu_compute / cpu_transfer / window "
