@@ -32,6 +32,12 @@ class GPUWorker:
         from writescope.engine import Engine, calibrated_model, kv_format, load_model_config
 
         options = dict(options)
+        if options.get("device", "cpu") == "cpu":
+            # Ray sets OMP_NUM_THREADS=1 for an actor of num_cpus=0; with no GPU this worker's
+            # prefill and device partials run on the CPU, on every CPU it may use.
+            import torch
+
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
         policy_name = options.pop("policy")
         model_fit = None
         if policy_name == "writescope":

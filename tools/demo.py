@@ -44,7 +44,8 @@ def run_policy(args, policy: str, prompts) -> dict:
                 decode_started = time.perf_counter()
             if bar.n % (args.batch * 8) == 0:  # every 8 decode steps
                 state = engine.state() if args.executor == "ray" else placement(engine)
-                shares.append((state["spilled_tokens"], round(state["cpu_share_spilled"], 3)))
+                if state["spilled_tokens"]:  # not after the last sequence finished
+                    shares.append((state["spilled_tokens"], round(state["cpu_share_spilled"], 3)))
                 if sum(state["placed_tokens"].values()):  # not after the last sequence finished
                     placed = state["placed_tokens"]
         bar.close()
