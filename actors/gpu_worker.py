@@ -32,12 +32,6 @@ class GPUWorker:
         from writescope.engine import Engine, calibrated_model, kv_format, load_model_config
 
         options = dict(options)
-        if options.get("device", "cpu") == "cpu":
-            # Ray sets OMP_NUM_THREADS=1 for an actor of num_cpus=0; with no GPU this worker's
-            # prefill and device partials run on the CPU, on every CPU it may use.
-            import torch
-
-            torch.set_num_threads(len(os.sched_getaffinity(0)))
         policy_name = options.pop("policy")
         model_fit = None
         if policy_name == "writescope":
@@ -49,6 +43,11 @@ class GPUWorker:
                                              executor_options={"specs": channel_specs},
                                              policy=RemotePolicy(scheduler, snapshot), region_handles=region_handles,
                                              num_shards=len(channel_specs), **options)
+        if options.get("device", "cpu") == "cpu":
+            # Ray sets OMP_NUM_THREADS=1 for an actor of num_cpus=0. With no GPU the prefill's matmuls
+            # run here on the CPU: on every CPU, while decode keeps one torch thread (more would
+            # fight the CPU workers' kernel pools for the same cores).
+            self.engine.prefill_threads = len(os.sched_getaffinity(0))
         self.service = EngineService(self.engine, max_waiting=max_waiting)
         self._pending: dict[int, object] = {}  # submitted, stream not yet asked for
 

@@ -136,6 +136,7 @@ class Engine:
         self._graphs: dict[int, DecodeGraph] = {}
         self._device_backend = "triton" if model.device.type == "cuda" else "cpu"
         self.stats = {"steps": 0, "decode_s": 0.0, "tokens": 0}
+        self.prefill_threads: int | None = None  # torch threads for prefill (None: leave torch's setting)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -333,8 +334,18 @@ class Engine:
         return True
 
     # ------------------------------------------------------------------ prefill
-    @torch.no_grad()
     def _prefill(self, request: _Request) -> int:
+        if self.prefill_threads is None:
+            return self._prefill_layers(request)
+        decode_threads = torch.get_num_threads()  # process-wide: only the engine's thread uses torch
+        torch.set_num_threads(self.prefill_threads)
+        try:
+            return self._prefill_layers(request)
+        finally:
+            torch.set_num_threads(decode_threads)
+
+    @torch.no_grad()
+    def _prefill_layers(self, request: _Request) -> int:
         """Full causal attention over the prompt, each layer's KV written straight to its regions."""
         model, device = self.model, self.model.device
         ids = torch.tensor(request.prompt, device=device)
