@@ -79,13 +79,15 @@ class RemotePolicy(Policy):
             self._samples.append((cpu_tokens, cpu_s, transfer_tokens, transfer_s))
 
     def end_step(self) -> None:
-        if self._pending is not None and ray.wait([self._pending], timeout=0)[0]:
+        # a concurrent.futures view of the reply: polled without blocking (and without ray.get,
+        # which Ray warns about inside the GPU worker's async actor)
+        if self._pending is not None and self._pending.done():
             try:
-                self._snapshot = ray.get(self._pending)
+                self._snapshot = self._pending.result()
             except ray.exceptions.RayError as error:  # the scheduler restarted: give it our state back
                 log.warning("scheduler call failed (%s): restoring it from this worker's snapshot", error)
                 self._scheduler.restore.remote(self._snapshot)
             self._pending = None
         if self._samples and self._pending is None:
-            self._pending = self._scheduler.observe.remote(self._samples)
+            self._pending = self._scheduler.observe.remote(self._samples).future()
             self._samples = []
