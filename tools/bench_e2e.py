@@ -22,6 +22,7 @@ import time
 
 import torch
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from writescope.engine import Engine
 from writescope.models.presets import PRESETS, preset_config, preset_weights
@@ -102,16 +103,20 @@ def main(argv: list[str] | None = None):
     rows = []
     with tempfile.TemporaryDirectory() as path:
         save_preset(args.preset, path)
+        bar = tqdm(total=len(args.contexts) * len(args.batches) * (len(args.policies) + 1), desc="runs", unit="run")
         for context in args.contexts:
             for batch in args.batches:
                 generator = torch.Generator().manual_seed(context + batch)
                 prompts = torch.randint(0, 256, (batch, context), generator=generator).tolist()
                 row = {"context": context, "batch": batch,
                        "transformers": transformers_tok_s(path, prompts, args.new_tokens, args.dtype, args.device)}
+                bar.update(1)
                 for policy in args.policies:
                     row[policy] = engine_tok_s(path, policy, prompts, args.new_tokens, args.dtype, args.device)
+                    bar.update(1)
                 log.info("%s", json.dumps(row))
                 rows.append(row)
+    bar.close()
     write_json(args.out, {"args": vars(args), "rows": rows})
     header = ["context", "batch", "transformers", *args.policies, "best vs transformers"]
     print("| " + " | ".join(header) + " |")

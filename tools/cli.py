@@ -17,6 +17,7 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -160,7 +161,22 @@ def _serve(args) -> int:
         pass
     finally:
         serve.shutdown()
+        ray.shutdown()  # the embedded cluster goes: its actors' processes with it
+        _reap_after_shutdown()
     return 0
+
+
+def _reap_after_shutdown(timeout_s: float = 10.0) -> None:
+    """Removes the segments of region owners that died with the cluster without unlinking them
+    (Serve does not always run the replica's cleanup on the way down)."""
+    from writescope.kv_regions import reap_orphaned_segments
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        reap_orphaned_segments()
+        if not any(name.startswith("writescope_p") for name in os.listdir("/dev/shm")):
+            return
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":
