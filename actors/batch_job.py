@@ -82,13 +82,20 @@ def read_done_ids(path: str) -> set:
 
 def read_requests(path: str, done: set) -> tuple[list[PromptLine], list[dict]]:
     """(the lines to run, error records of the bad lines), skipping ids already done."""
-    todo, errors, seen = [], [], set(done)
-    with open(path) as f:
-        for number, raw in enumerate(f, start=1):
-            if not raw.strip():
+    todo, errors, seen, in_file = [], [], set(done), set()
+    with open(path, "rb") as f:  # lines decoded one by one: a bad byte spoils its line, not the batch
+        for number, raw_bytes in enumerate(f, start=1):
+            if not raw_bytes.strip():
                 continue
             try:
+                raw = raw_bytes.decode()
                 line = PromptLine.model_validate(json.loads(raw))
+            except UnicodeDecodeError as error:
+                record_id = f"line-{number}"
+                if record_id not in seen:
+                    errors.append({"id": record_id, "error": f"line {number} is not UTF-8: {error}"})
+                    seen.add(record_id)
+                continue
             except json.JSONDecodeError as error:
                 record_id = f"line-{number}"
                 if record_id not in seen:
@@ -103,12 +110,16 @@ def read_requests(path: str, done: set) -> tuple[list[PromptLine], list[dict]]:
                     errors.append({"id": record_id, "error": f"line {number}: {problems}"})
                     seen.add(record_id)
                 continue
-            if line.id in seen:
-                if line.id not in done:
-                    errors.append({"id": f"line-{number}", "error": f"line {number}: duplicate id {line.id!r}"})
+            if line.id in in_file:  # a second line with this id
+                record_id = f"line-{number}"
+                if record_id not in seen:  # reported once, also across resumed runs
+                    errors.append({"id": record_id, "error": f"line {number}: duplicate id {line.id!r}"})
+                    seen.add(record_id)
                 continue
-            seen.add(line.id)
-            todo.append(line)
+            in_file.add(line.id)
+            if line.id not in seen:  # not done by an earlier run
+                seen.add(line.id)
+                todo.append(line)
     return todo, errors
 
 

@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
+import threading
+import time
 
 import ray
 
 from writescope.engine import GenerationOutput, SamplingParams, call_params, placement
 from writescope.service import EngineService
+
+log = logging.getLogger(__name__)
 
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
@@ -48,21 +53,27 @@ class GPUWorker:
             # run here on the CPU: on every CPU, while decode keeps one torch thread (more would
             # fight the CPU workers' kernel pools for the same cores).
             self.engine.prefill_threads = len(os.sched_getaffinity(0))
-        self.service = EngineService(self.engine, max_waiting=max_waiting)
-        self._pending: dict[int, object] = {}  # submitted, stream not yet asked for
+        self.service = EngineService(self.engine, max_waiting=max_waiting, on_failure=self._exit_for_restart)
+        self._pending: dict[int, tuple[object, float]] = {}  # submitted, stream not yet asked for: (stream, when)
 
     # Every call goes through one EngineService: requests of concurrent callers share the running
     # batch (continuous batching), and each call's events come back as they are made.
     async def generate(self, prompts, kwargs: dict):
         streams = self._submit_call(prompts, kwargs)
         outputs = []
-        for stream in streams:
-            async for event in stream:
-                if event.finish_reason == "error":
-                    raise RuntimeError(event.error)
-            request = stream.request
-            outputs.append(GenerationOutput(request.tokens, request.text, request.finish_reason, len(request.prompt),
-                                            request.logits if kwargs.get("return_logits") else None))
+        try:
+            for stream in streams:
+                async for event in stream:
+                    if event.finish_reason == "error":
+                        raise RuntimeError(event.error)
+                request = stream.request
+                outputs.append(GenerationOutput(request.tokens, request.text, request.finish_reason,
+                                                len(request.prompt),
+                                                request.logits if kwargs.get("return_logits") else None))
+        finally:  # an error or a cancelled call stops the call's other requests too
+            for stream in streams:
+                if not stream.done:
+                    stream.cancel()
         return outputs
 
     @ray.method(num_returns="streaming")
@@ -91,14 +102,30 @@ class GPUWorker:
     async def submit(self, prompt, params) -> dict:
         """Queues one request (servers, batch jobs): {id, prompt_tokens}, or QueueFullError /
         ValueError at once."""
+        self._cancel_unclaimed()
         stream = self.service.submit(prompt, params, loop=asyncio.get_running_loop())
-        self._pending[stream.request_id] = stream
+        self._pending[stream.request_id] = (stream, time.monotonic())
         return {"id": stream.request_id, "prompt_tokens": len(stream.request.prompt)}
+
+    async def cancel(self, request_id: int) -> None:
+        """Stops a submitted request (its caller went away)."""
+        self._pending.pop(request_id, None)
+        self.service.cancel(request_id)
+
+    def _cancel_unclaimed(self, after_s: float = 60.0) -> None:
+        """Requests submitted but never streamed (their caller vanished in between) are cancelled."""
+        now = time.monotonic()
+        for request_id, (stream, when) in list(self._pending.items()):
+            if now - when > after_s:
+                del self._pending[request_id]
+                stream.cancel()
 
     @ray.method(num_returns="streaming")
     async def stream(self, request_id: int):
         """The events of a submitted request; a caller that stops listening cancels it."""
-        stream = self._pending.pop(request_id)
+        if request_id not in self._pending:
+            raise ValueError(f"no submitted request {request_id} waits to be streamed")
+        stream, _ = self._pending.pop(request_id)
         try:
             async for event in stream:
                 yield event
@@ -115,8 +142,15 @@ class GPUWorker:
         if kwargs:
             raise ValueError(f"unknown generate arguments: {sorted(kwargs)}")
         prompts, per_prompt = call_params(prompts, defaults, params)
-        return self.service.submit_many(prompts, per_prompt, call_seed=defaults.seed,
+        return self.service.submit_many(prompts, per_prompt, call_seed=defaults.seed, bounded=False,
                                         loop=asyncio.get_running_loop(), keep_logits=keep_logits)
+
+    @staticmethod
+    def _exit_for_restart(error: BaseException) -> None:
+        """The engine loop failed (a CPU worker that never came back, a device error): the callers
+        got their error events; the process then exits so Ray restarts a clean worker."""
+        log.error("engine loop failed (%s): exiting in 2 s so Ray restarts this GPU worker", error)
+        threading.Timer(2.0, os._exit, args=(1,)).start()
 
     async def state(self) -> dict:
         """Occupancy, queue and counters, for metrics and progress."""

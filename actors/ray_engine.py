@@ -156,8 +156,9 @@ class RayEngine:
         the GPU worker died."""
         finished: set[int] = set()
         self._wait_for_restart()
+        generator = self.gpu_worker.generate_stream.remote(prompts, kwargs)
         try:
-            for ref in self.gpu_worker.generate_stream.remote(prompts, kwargs):
+            for ref in generator:
                 event = ray.get(ref)
                 if event.finish_reason is not None:
                     finished.add(event.index)
@@ -166,6 +167,10 @@ class RayEngine:
             lost = [i for i in range(_num_prompts(prompts)) if i not in finished]
             self._worker_lost = True
             raise WorkerLostError(lost, error) from error
+        finally:
+            if len(finished) < _num_prompts(prompts):  # the caller stopped early: stop the call's requests
+                with contextlib.suppress(Exception):
+                    ray.cancel(generator)
 
     def _wait_for_restart(self, timeout_s: float = 300.0) -> None:
         """After a lost GPU worker: waits until Ray has restarted it (weights loaded, regions attached)."""
@@ -195,8 +200,15 @@ class RayEngine:
 
     async def stream(self, request_id: int):
         """The StreamEvents of a submitted request; closing this generator early cancels it."""
-        async for ref in self.gpu_worker.stream.remote(request_id):
-            yield await ref
+        finished = False
+        try:
+            async for ref in self.gpu_worker.stream.remote(request_id):
+                event = await ref
+                finished = event.finish_reason is not None
+                yield event
+        finally:
+            if not finished:  # the caller went away (or the worker died): free its batch slot and KV
+                self.gpu_worker.cancel.remote(request_id)
 
     # ------------------------------------------------------------------ inspection
     def current_share(self) -> float | None:

@@ -29,6 +29,7 @@ import secrets
 import time
 from typing import Literal
 
+import ray
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -59,7 +60,8 @@ class _Common(BaseModel):
 
     def params(self, max_tokens: int) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        return SamplingParams(max_tokens, self.temperature, self.top_p, self.seed, tuple(stop))
+        seed = self.seed if self.seed is not None else secrets.randbits(63)  # unseeded requests differ
+        return SamplingParams(max_tokens, self.temperature, self.top_p, seed, tuple(stop))
 
 
 class CompletionRequest(_Common):
@@ -67,9 +69,17 @@ class CompletionRequest(_Common):
     max_tokens: int = Field(default=16, ge=1)
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart]  # a string, or OpenAI's content parts (text only)
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
 
 
 class ChatRequest(_Common):
@@ -81,7 +91,7 @@ class ChatRequest(_Common):
 def chat_prompt(messages: list[ChatMessage]) -> str:
     """A plain role-tagged transcript ending with the assistant's turn (the tiny presets have no
     chat template of their own)."""
-    turns = "".join(f"<|{m.role}|>\n{m.content}\n" for m in messages)
+    turns = "".join(f"<|{m.role}|>\n{m.text()}\n" for m in messages)
     return turns + "<|assistant|>\n"
 
 
@@ -209,19 +219,27 @@ class OpenAIIngress:
         except ValueError as error:
             self._metrics.requests.inc(tags={"route": route, "status": "400"})
             return _error(400, str(error))
+        except (RuntimeError, ray.exceptions.RayError) as error:  # the engine is failing or restarting
+            self._metrics.requests.inc(tags={"route": route, "status": "503"})
+            return _error(503, f"the engine is unavailable, retry later: {error}", "server_error",
+                          headers={"Retry-After": "5"})
         self._metrics.requests.inc(tags={"route": route, "status": "200"})
         completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
         events = self.engine.stream(submitted["id"])
         if body.stream:
             return StreamingResponse(self._sse(events, completion_id, chat), media_type="text/event-stream")
         tokens, text, finish = [], [], None
-        async for event in events:
-            if event.finish_reason == "error":
-                return _error(503, f"generation failed: {event.error}", "server_error")
-            if event.token_id >= 0:
-                tokens.append(event.token_id)
-                text.append(event.text)
-            finish = event.finish_reason
+        try:
+            async for event in events:
+                if event.finish_reason == "error":
+                    return _error(503, f"generation failed: {event.error}", "server_error")
+                if event.token_id >= 0:
+                    tokens.append(event.token_id)
+                    text.append(event.text)
+                finish = event.finish_reason
+        except ray.exceptions.RayError as error:
+            return _error(503, f"the engine failed during generation, retry: {error}", "server_error",
+                          headers={"Retry-After": "5"})
         self._metrics.tokens.inc(len(tokens))
         usage = {"prompt_tokens": submitted["prompt_tokens"], "completion_tokens": len(tokens),
                  "total_tokens": submitted["prompt_tokens"] + len(tokens)}

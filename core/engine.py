@@ -77,6 +77,8 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str | int) else list(self.stop or [])
         if not all(isinstance(s, str | int) for s in stop):
             raise ValueError(f"stop must be strings or token ids, got {self.stop!r}")
+        if "" in stop:
+            raise ValueError("stop holds an empty string, which would match at once: give non-empty strings")
         object.__setattr__(self, "stop", tuple(stop))
 
 
@@ -250,7 +252,7 @@ class Engine:
         """The continuous-batching loop. Between steps, poll(block) adds new requests (block: nothing
         is running or waiting, so it may wait for one; [] then ends the loop). Without poll, a request
         that cannot fit even alone raises CapacityError; with poll, it gets an error event instead."""
-        running, admitted = [], []
+        running, admitted = [], {}  # admitted: id -> request holding KV blocks, until it finishes
         try:
             while True:
                 if poll is not None:
@@ -274,12 +276,13 @@ class Engine:
                         yield StreamEvent(request.index, -1, "", "error", str(error))
                         continue
                     waiting.popleft()
-                    admitted.append(request)
+                    admitted[id(request)] = request
                     yield self._accept(request, self._prefill(request))
                     if request.finish_reason is None:
                         running.append(request)
                     else:
                         self.cache.finish(request.seq_id)
+                        del admitted[id(request)]
                 if running:
                     for request, token in zip(running, self._decode_step(running), strict=True):
                         yield self._accept(request, token)
@@ -289,8 +292,9 @@ class Engine:
                             yield StreamEvent(request.index, -1, "", "abort")
                         self.cache.finish(request.seq_id)
                         running.remove(request)
+                        del admitted[id(request)]
         finally:  # a consumer that stops early, or an error, still releases every admitted sequence
-            for request in admitted:
+            for request in admitted.values():
                 if request.seq_id in self.cache.seqs:
                     self.cache.finish(request.seq_id)
 

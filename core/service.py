@@ -79,11 +79,14 @@ class RequestStream:
 
 
 class EngineService:
-    def __init__(self, engine: Engine, max_waiting: int = 64):
+    def __init__(self, engine: Engine, max_waiting: int = 64, on_failure=None):
+        """on_failure(error): called from the loop's thread after the loop failed and every caller
+        got an error event (a GPU worker exits there, so Ray restarts it)."""
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.engine = engine
         self.max_waiting = max_waiting
+        self.on_failure = on_failure
         self._incoming: deque = deque()
         self._streams: dict[int, RequestStream] = {}
         self._wake = threading.Condition()
@@ -100,15 +103,18 @@ class EngineService:
         return self.submit_many([prompt], [params], loop=loop)[0]
 
     def submit_many(self, prompts: list, params: list[SamplingParams], *, call_seed: int | None = None,
-                    loop: asyncio.AbstractEventLoop | None = None, keep_logits: bool = False) -> list[RequestStream]:
+                    loop: asyncio.AbstractEventLoop | None = None, keep_logits: bool = False,
+                    bounded: bool = True) -> list[RequestStream]:
         """Queues the prompts of one call together (all or none); their samplers are seeded as
-        Engine.generate seeds them, so the tokens match a local run of the same call."""
+        Engine.generate seeds them, so the tokens match a local run of the same call. bounded=False
+        skips the queue limit: a generate() call brings its own batch, however large, as it does on
+        the local executor."""
         if self._closed or self.failure is not None:
             raise RuntimeError(f"the engine service is stopped{f': {self.failure}' if self.failure else ''}")
         requests = [self.engine.make_request(next(self._ids), prompt, p, call_seed=call_seed, position=position)
                     for position, (prompt, p) in enumerate(zip(prompts, params, strict=True))]
         with self._wake:
-            if self._waiting + len(requests) > self.max_waiting:
+            if bounded and self._waiting + len(requests) > self.max_waiting:
                 raise QueueFullError(self._waiting, retry_after_s=1)
             streams = []
             for request in requests:
@@ -122,6 +128,12 @@ class EngineService:
             self.counters["requests"] += len(requests)
             self._wake.notify()
         return streams
+
+    def cancel(self, request_id: int) -> None:
+        """Stops a request between steps, if it is still running or waiting."""
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.cancel()
 
     @property
     def waiting(self) -> int:
@@ -146,6 +158,8 @@ class EngineService:
             self.failure = error
             for request_id in list(self._streams):
                 self._deliver(StreamEvent(request_id, -1, "", "error", f"engine failure: {error}"))
+            if self.on_failure is not None:
+                self.on_failure(error)
 
     def _deliver(self, event: StreamEvent) -> None:
         stream = self._streams.get(event.index)

@@ -133,3 +133,19 @@ def test_bad_arguments_are_refused_with_what_is_allowed(tmp_path, capsys):
     with pytest.raises(SystemExit):
         batch_main(["--model", "tiny-mixtral", "--input", str(tmp_path / "missing.jsonl"), "--output", "o"])
     assert "is not a file" in capsys.readouterr().err
+
+
+def test_bad_bytes_and_duplicates_are_reported_once_across_resumed_runs(tmp_path):
+    from writescope.actors.batch_job import read_requests
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n\xff\xfe\n{"id": "b", "prompt": "z"}\n')
+    todo, errors = read_requests(str(path), set())
+    assert [line.id for line in todo] == ["a", "b"]
+    assert {e["id"]: e["error"] for e in errors} == {"line-2": "line 2: duplicate id 'a'",
+                                                     "line-3": errors[1]["error"]}
+    assert "not UTF-8" in errors[1]["error"]
+    todo, errors = read_requests(str(path), {"line-2", "line-3"})  # resumed before "a" finished
+    assert [line.id for line in todo] == ["a", "b"] and errors == []
+    todo, errors = read_requests(str(path), {"a", "line-2", "line-3"})
+    assert [line.id for line in todo] == ["b"] and errors == []

@@ -160,3 +160,40 @@ def test_ray_executor_needs_a_running_ray():
             "except ValueError as e:\n    print(e)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "needs a running Ray" in result.stdout, result.stderr
+
+
+def test_a_caller_that_stops_early_frees_its_requests(ray_cluster):
+    import asyncio
+
+    from writescope.engine import SamplingParams
+
+    engine = ray_engine("tiny-qwen3-moe", "fixed_half", 1)
+    try:
+        for count, _ in enumerate(engine.generate_stream(PROMPTS, max_new_tokens=40)):
+            if count == 3:
+                break  # the generator is closed here: the call's requests must stop
+
+        async def submit_then_leave():
+            request_id = await engine.submit(PROMPTS[0], SamplingParams(max_new_tokens=40))
+            events = engine.stream(request_id)
+            await events.__anext__()
+            await events.aclose()
+
+        asyncio.run(submit_then_leave())
+        deadline = time.monotonic() + 30
+        while engine.state()["running_seqs"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert engine.state()["running_seqs"] == 0  # their batch slots and KV are free again
+        assert [o.finish_reason for o in engine.generate(PROMPTS, max_new_tokens=3)] == ["length", "length"]
+    finally:
+        engine.shutdown()
+
+
+def test_generate_takes_more_prompts_than_the_queue_limit(ray_cluster):
+    engine = Engine.from_pretrained("tiny-mixtral", policy="all_cpu", executor="ray",
+                                    executor_options={"nodes": emulated_topology(1), "max_waiting": 2}, **OPTIONS)
+    try:
+        outputs = engine.generate([[7, 8, 9, i] for i in range(5)], max_new_tokens=2)
+    finally:
+        engine.shutdown()
+    assert [len(o.token_ids) for o in outputs] == [2] * 5

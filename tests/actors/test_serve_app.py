@@ -128,6 +128,15 @@ def test_chat_completions_and_models(server):
     assert chunks[-1] == "[DONE]"
     assert "".join(c["choices"][0]["delta"]["content"] for c in chunks[:-1]) == \
         body["choices"][0]["message"]["content"]
+    parts = requests.post(f"{server}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hel"},
+                                                                 {"type": "text", "text": "lo"}]}],
+        "max_tokens": 4, "temperature": 0})
+    assert parts.status_code == 200, parts.text
+    assert parts.json()["choices"][0]["token_ids"] == body["choices"][0]["token_ids"]  # the same prompt
+    unseeded = [requests.post(f"{server}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": "same prompt", "max_tokens": 12, "temperature": 1.0}).json() for _ in range(2)]
+    assert unseeded[0]["choices"][0]["token_ids"] != unseeded[1]["choices"][0]["token_ids"]
     models = requests.get(f"{server}/v1/models", timeout=30).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
 

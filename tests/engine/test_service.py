@@ -64,6 +64,14 @@ def test_a_full_queue_refuses_at_once_and_the_admitted_finish(service):
         assert events[-1].finish_reason == "length" and len(events) == 16
 
 
+def test_a_whole_call_may_exceed_the_queue_limit_when_unbounded(service):
+    service.max_waiting = 2
+    streams = service.submit_many(PROMPTS * 2, [SamplingParams(max_new_tokens=3)] * 8, bounded=False)
+    assert [len(list(stream)) for stream in streams] == [3] * 8
+    with pytest.raises(QueueFullError):
+        service.submit_many(PROMPTS, [SamplingParams(max_new_tokens=3)] * 4)
+
+
 def test_bad_requests_are_refused_before_queueing(service):
     with pytest.raises(ValueError, match="exceeds max_seq_len=128"):
         service.submit(list(range(1, 120)), SamplingParams(max_new_tokens=16))
@@ -71,6 +79,8 @@ def test_bad_requests_are_refused_before_queueing(service):
         service.submit([10**9], SamplingParams())
     with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
         SamplingParams(max_new_tokens=0)
+    with pytest.raises(ValueError, match="empty string"):
+        SamplingParams(stop=["", "x"])
     assert service.waiting == 0
 
 
