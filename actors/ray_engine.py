@@ -264,4 +264,8 @@ def _num_prompts(prompts) -> int:
 
 
 register_executor("channel", ChannelExecutor)
-register_executor("ray", ChannelExecutor, engine=RayEngine.from_pretrained)
+def _engine_only(**_options):
+    raise ValueError("executor 'ray' is a whole engine on actors: use Engine.from_pretrained(..., executor='ray')")
+
+
+register_executor("ray", _engine_only, engine=RayEngine.from_pretrained)
