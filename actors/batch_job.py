@@ -10,31 +10,48 @@ that is stopped or killed loses only the requests in flight. A rerun skips every
 output, so after any number of interruptions each id appears exactly once. Sampling is seeded per
 request ("seed", else derived from the id), so a resumed request gets the tokens it would have got.
 
-A bad line (not JSON, a missing or wrong field, a duplicate id, too long for max_seq_len) becomes an
-error record {"id": ..., "error": "..."} in the output and does not stop the batch. Progress
-(requests done, tok/s, the current CPU share r*) goes to the log every --progress-every-s seconds;
-a summary at the end.
+Records: {"id", "token_ids", "text", "finish_reason", "completion_tokens"} for a finished request;
+{"id", "error"} for a request that cannot run (a bad field, too long, a prompt that is not valid
+Unicode: the id is readable, and the error is that id's result); {"id": null, "line", "error"}
+for a line with no usable id (not UTF-8, not JSON, no id, or an id an earlier line already has),
+keyed by its line number so it can never stand for a real id.
+
+Integrity. One job writes an output at a time: a second job on the same output is refused (an
+exclusive lock on OUTPUT.lock, released when the job ends or dies). A resume repairs the output
+first: a last line cut short by a kill is removed, and a corrupted line elsewhere is moved to
+OUTPUT.corrupt (the output is rewritten atomically without it) and reported; its request runs
+again. A request lost to the GPU worker's death is retried (up to --max-retries times, after Ray
+has restarted the worker), never written as an error: if it still cannot finish, the job exits
+non-zero and a resubmit retries it.
+
+Progress (requests done, tok/s, the current CPU share r*) goes to the log every --progress-every-s
+seconds; a summary at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
 import os
 import sys
 import time
 import zlib
+from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 from tqdm import tqdm
 
-from writescope.engine import SamplingParams
 from writescope.policies import POLICY_NAMES
+from writescope.prompts import check_unicode
+from writescope.sampling import SEED_MAX, SEED_MIN, SamplingParams
 from writescope.service import QueueFullError
 
 log = logging.getLogger("writescope.batch_job")
+MAX_ID_CHARS = 512
 
 
 class PromptLine(BaseModel):
@@ -42,101 +59,116 @@ class PromptLine(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    id: str | int
+    id: StrictStr | StrictInt
     prompt: str | list[int] = Field(min_length=1)
     max_new_tokens: int = Field(default=64, ge=1)
-    temperature: float = Field(default=0.0, ge=0)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    seed: int | None = None
+    temperature: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str | int] | str | None = None
 
-    @field_validator("id")
+    @model_validator(mode="before")
     @classmethod
-    def _id_not_empty(cls, value):
-        if isinstance(value, str) and not value:
-            raise ValueError("id is empty")
-        return value
+    def _valid_unicode(cls, data):
+        return check_unicode(data)
 
     def params(self) -> SamplingParams:
         seed = self.seed if self.seed is not None else zlib.crc32(str(self.id).encode())
         return SamplingParams(self.max_new_tokens, self.temperature, self.top_p, seed, self.stop or ())
 
 
-def read_done_ids(path: str) -> set:
-    """Ids already in the output. A last line cut short by a kill is removed, so appends stay valid JSONL."""
-    if not os.path.exists(path):
-        return set()
-    with open(path, "rb") as f:
-        data = f.read()
-    complete = data[: data.rfind(b"\n") + 1]
-    if len(complete) != len(data):
-        log.warning("%s ends with a partial line (an interrupted write): removing it", path)
-        with open(path, "r+b") as f:
-            f.truncate(len(complete))
-    done = set()
-    for line in complete.decode().splitlines():
-        if line.strip():
-            done.add(json.loads(line)["id"])
-    return done
+@dataclass
+class Done:
+    """What the output already holds: finished ids, and the line numbers of bad lines reported."""
+
+    ids: set = field(default_factory=set)
+    lines: set = field(default_factory=set)
+    corrupt_lines: int = 0
 
 
-def read_requests(path: str, done: set) -> tuple[list[PromptLine], list[dict]]:
-    """(the lines to run, error records of the bad lines), skipping ids already done."""
-    todo, errors, seen, in_file = [], [], set(done), set()
+def usable_id(value):
+    """The line's id if it can key a result (a non-empty valid-Unicode string, or an integer), else None."""
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        return None
+    if isinstance(value, str):
+        try:
+            check_unicode(value)
+        except ValueError:
+            return None
+        if not value or len(value) > MAX_ID_CHARS:
+            return None
+    return value
+
+
+def read_requests(path: str, done: Done) -> tuple[list[PromptLine], list[dict]]:
+    """(the lines to run, error records of bad lines not reported before). The first line with an
+    id claims it; a later line with the same id is a bad line, keyed by its line number."""
+    todo, errors, claimed = [], [], set()
     with open(path, "rb") as f:  # lines decoded one by one: a bad byte spoils its line, not the batch
         for number, raw_bytes in enumerate(f, start=1):
             if not raw_bytes.strip():
                 continue
+            data, line_id, problem = _parse_line(raw_bytes)
+            if line_id is None or line_id in claimed:
+                problem = problem or f"duplicate id {line_id!r} (an earlier line has it)"
+                if number not in done.lines:
+                    errors.append({"id": None, "line": number, "error": f"line {number}: {problem}"})
+                continue
+            claimed.add(line_id)
+            if line_id in done.ids:
+                continue
             try:
-                raw = raw_bytes.decode()
-                line = PromptLine.model_validate(json.loads(raw))
-            except UnicodeDecodeError as error:
-                record_id = f"line-{number}"
-                if record_id not in seen:
-                    errors.append({"id": record_id, "error": f"line {number} is not UTF-8: {error}"})
-                    seen.add(record_id)
-                continue
-            except json.JSONDecodeError as error:
-                record_id = f"line-{number}"
-                if record_id not in seen:
-                    errors.append({"id": record_id, "error": f"line {number} is not JSON: {error}"})
-                    seen.add(record_id)
-                continue
+                line = PromptLine.model_validate(data)
+                line.params()
             except ValidationError as error:
-                record_id = _line_id(raw, number)
-                if record_id not in seen:
-                    problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'line'}: {e['msg']}"
-                                         for e in error.errors())
-                    errors.append({"id": record_id, "error": f"line {number}: {problems}"})
-                    seen.add(record_id)
+                errors.append({"id": line_id, "error": f"line {number}: {_problems(error)}"})
                 continue
-            if line.id in in_file:  # a second line with this id
-                record_id = f"line-{number}"
-                if record_id not in seen:  # reported once, also across resumed runs
-                    errors.append({"id": record_id, "error": f"line {number}: duplicate id {line.id!r}"})
-                    seen.add(record_id)
+            except ValueError as error:
+                errors.append({"id": line_id, "error": f"line {number}: {error}"})
                 continue
-            in_file.add(line.id)
-            if line.id not in seen:  # not done by an earlier run
-                seen.add(line.id)
-                todo.append(line)
+            todo.append(line)
     return todo, errors
 
 
-def _line_id(raw: str, number: int):
+def _parse_line(raw_bytes: bytes):
+    """(the parsed object, its usable id, None) or (None, None, what is wrong)."""
     try:
-        value = json.loads(raw).get("id")
-    except (ValueError, AttributeError):
-        return f"line-{number}"
-    return value if isinstance(value, str | int) and value != "" else f"line-{number}"
+        data = json.loads(raw_bytes.decode("utf-8"))
+    except UnicodeDecodeError as error:
+        return None, None, f"not UTF-8 ({error.reason} at byte {error.start})"
+    except (json.JSONDecodeError, RecursionError) as error:
+        return None, None, f"not JSON ({error})"
+    if not isinstance(data, dict):
+        return None, None, f"not a JSON object (a {type(data).__name__})"
+    line_id = usable_id(data.get("id"))
+    if line_id is None:
+        return None, None, f"id must be a non-empty string (at most {MAX_ID_CHARS} characters) or an " \
+                           f"integer, got {json.dumps(data.get('id'))[:40]}"
+    return data, line_id, None
 
 
-class ResultWriter:
-    """Appends one JSON object per line, each flushed and fsynced before the next request is counted."""
+def _problems(error: ValidationError) -> str:
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'line'}: {e['msg']}" for e in error.errors())
+
+
+# ---------------------------------------------------------------------------------------- output
+class OutputLockedError(RuntimeError):
+    """Another batch job writes this output."""
+
+
+class ResultOutput:
+    """The output JSONL under an exclusive lock (OUTPUT.lock, held until close or death): read and
+    repaired once, then appended one record at a time, each flushed and fsynced."""
 
     def __init__(self, path: str):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        self._file = open(path, "a")  # noqa: SIM115 - kept open for the whole batch
+        self.path = path
+        self._lock = _lock(path)
+        try:
+            self.done = _repair(path)
+            self._file = open(path, "a")  # noqa: SIM115 - kept open for the whole batch
+        except BaseException:
+            self._lock.close()
+            raise
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -145,19 +177,109 @@ class ResultWriter:
 
     def close(self) -> None:
         self._file.close()
+        self._lock.close()  # releases the lock
 
 
-async def run_batch(engine, todo: list[PromptLine], writer: ResultWriter, *, max_in_flight: int,
+def _lock(path: str):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    lock = open(f"{path}.lock", "a+")  # noqa: SIM115 - held for the job's life
+    try:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise OutputLockedError(f"{path} is being written by another batch job ({holder}): wait for it to end, "
+                                f"or give another --output") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+    lock.flush()
+    return lock
+
+
+def _repair(path: str) -> Done:
+    """Done ids and lines of the output; a torn last line is cut off, corrupted lines are moved to
+    PATH.corrupt and the output is rewritten without them (atomically: a kill leaves one or the other)."""
+    if not os.path.exists(path):
+        return Done()
+    with open(path, "rb") as f:
+        data = f.read()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        log.warning("%s ends with a partial line (an interrupted write): removing it", path)
+        with open(path, "r+b") as f:
+            f.truncate(len(complete))
+    done, good, corrupt = Done(), [], []
+    for number, raw in enumerate(complete.splitlines(keepends=True), start=1):
+        if not raw.strip():
+            continue
+        key = _record_key(raw)
+        if key is None:
+            corrupt.append((number, raw))
+            continue
+        (done.lines if key[0] == "line" else done.ids).add(key[1])
+        good.append(raw)
+    if corrupt:
+        _quarantine(path, good, corrupt)
+    done.corrupt_lines = len(corrupt)
+    return done
+
+
+def _record_key(raw: bytes):
+    """("id", id) or ("line", number) of a well-formed record, else None."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(record, dict) or not ("error" in record or "token_ids" in record):
+        return None
+    if record.get("id") is None:
+        return ("line", record["line"]) if isinstance(record.get("line"), int) else None
+    line_id = usable_id(record["id"])
+    return None if line_id is None else ("id", line_id)
+
+
+def _quarantine(path: str, good: list[bytes], corrupt: list[tuple[int, bytes]]) -> None:
+    with open(f"{path}.corrupt", "ab") as f:
+        for number, raw in corrupt:
+            f.write(f"# {path} line {number}, removed {time.strftime('%Y-%m-%dT%H:%M:%S')}\n".encode() + raw)
+        f.flush()
+        os.fsync(f.fileno())
+    temporary = f"{path}.rewrite"
+    with open(temporary, "wb") as f:
+        f.writelines(good)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    log.warning("%s had %d corrupted lines (%s): moved to %s; their requests run again", path, len(corrupt),
+                ", ".join(str(n) for n, _ in corrupt[:10]), f"{path}.corrupt")
+
+
+# ---------------------------------------------------------------------------------------- running
+class _EngineLostError(Exception):
+    """The request was lost with the GPU worker (or the engine failed): it may be retried."""
+
+
+async def run_batch(engine, todo: list[PromptLine], writer, *, max_in_flight: int, max_retries: int = 3,
                     progress_every_s: float = 10.0, state=None) -> dict:
-    """Runs every line through engine.submit / engine.stream; returns the counts."""
-    counts = {"ok": 0, "errors": 0, "tokens": 0}
+    """Runs every line through engine.submit / engine.stream; returns the counts. A line whose
+    request is lost with the engine is retried up to max_retries times, else left unwritten."""
+    counts = {"ok": 0, "errors": 0, "tokens": 0, "retries": 0, "unfinished": []}
     slots = asyncio.Semaphore(max_in_flight)
     began = time.perf_counter()
     bar = tqdm(total=len(todo), desc="requests", unit="req", file=sys.stderr)
 
     async def one(line: PromptLine):
         async with slots:
-            record = await _generate(engine, line)
+            record = await _generate_with_retries(engine, line, max_retries, counts)
+        if record is None:
+            counts["unfinished"].append(line.id)
+            return
         writer.write(record)
         counts["errors" if "error" in record else "ok"] += 1
         counts["tokens"] += len(record.get("token_ids", []))
@@ -172,7 +294,8 @@ async def run_batch(engine, todo: list[PromptLine], writer: ResultWriter, *, max
     async def report():
         while True:
             await asyncio.sleep(progress_every_s)
-            progress()
+            with contextlib.suppress(Exception):  # a restarting engine has no share to show
+                progress()
 
     reporter = asyncio.create_task(report())
     try:
@@ -180,28 +303,57 @@ async def run_batch(engine, todo: list[PromptLine], writer: ResultWriter, *, max
     finally:
         reporter.cancel()
         bar.close()
-    progress()
+    with contextlib.suppress(Exception):
+        progress()
     counts["seconds"] = time.perf_counter() - began
     return counts
 
 
+async def _generate_with_retries(engine, line: PromptLine, max_retries: int, counts: dict) -> dict | None:
+    for attempt in range(max_retries + 1):
+        try:
+            return await _generate(engine, line)
+        except _EngineLostError as lost:
+            if attempt == max_retries:
+                log.error("request %r lost %d times (%s): left for a resubmit", line.id, attempt + 1, lost)
+                return None
+            counts["retries"] += 1
+            log.warning("request %r lost with the engine (%s): retrying once it is back", line.id, lost)
+            try:
+                await engine.wait_until_ready()
+            except RuntimeError as error:
+                log.error("request %r: %s", line.id, error)
+                return None
+    return None
+
+
 async def _generate(engine, line: PromptLine) -> dict:
+    """The line's record; _EngineLostError when the engine failed under it (nothing of it is kept)."""
     while True:
         try:
             request_id = await engine.submit(line.prompt, line.params())
             break
         except QueueFullError as error:  # the semaphore keeps this rare: wait for room
             await asyncio.sleep(error.retry_after_s)
-        except ValueError as error:
+        except ValueError as error:  # the request's own fault: its result is this error
             return {"id": line.id, "error": str(error).splitlines()[-1] if str(error) else type(error).__name__}
+        except Exception as error:  # noqa: BLE001 - the GPU worker is gone or restarting
+            raise _EngineLostError(f"{type(error).__name__} at submit") from None
     tokens, text, finish = [], [], None
-    async for event in engine.stream(request_id):
-        if event.token_id >= 0:
-            tokens.append(event.token_id)
-            text.append(event.text)
-        finish = event.finish_reason
-        if finish == "error":
-            return {"id": line.id, "error": event.error}
+    try:
+        async for event in engine.stream(request_id):
+            if event.finish_reason == "error":
+                if event.retryable:
+                    raise _EngineLostError(event.error)
+                return {"id": line.id, "error": event.error}
+            if event.token_id >= 0:
+                tokens.append(event.token_id)
+                text.append(event.text)
+            finish = event.finish_reason
+    except _EngineLostError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the GPU worker died during the request
+        raise _EngineLostError(f"{type(error).__name__} while streaming") from None
     return {"id": line.id, "token_ids": tokens, "text": "".join(text), "finish_reason": finish,
             "completion_tokens": len(tokens)}
 
@@ -224,6 +376,11 @@ class LocalEngine:
     async def stream(self, request_id):
         async for event in self._streams.pop(request_id):
             yield event
+
+    async def wait_until_ready(self) -> None:
+        """An in-process engine whose loop failed does not come back."""
+        if self.service.failure is not None:
+            raise RuntimeError(f"the in-process engine failed: {self.service.failure}")
 
     def current_share(self) -> float | None:
         tokens = sum(s.num_tokens for s in self.engine.cache.seqs.values())
@@ -252,18 +409,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--emulated-nodes", type=int, default=None,
                         help="split this machine's CPUs into N emulated NUMA nodes (one CPU worker each)")
     parser.add_argument("--max-in-flight", type=int, default=64, help="requests submitted and not yet finished")
+    parser.add_argument("--max-retries", type=int, default=3,
+                        help="times a request lost with the GPU worker is retried after Ray restarts it")
     parser.add_argument("--progress-every-s", type=float, default=10.0, help="seconds between progress log lines")
     return parser
 
 
-def _positive(parser, args) -> None:
+def _check_args(parser, args) -> None:
     for name in ("max_batch_size", "max_seq_len", "max_in_flight"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_retries < 0:
+        parser.error(f"--max-retries must be >= 0, got {args.max_retries}")
     if args.emulated_nodes is not None and not 1 <= args.emulated_nodes <= len(os.sched_getaffinity(0)):
         parser.error(f"--emulated-nodes must be in [1, {len(os.sched_getaffinity(0))}] (the CPUs of this machine)")
     if not os.path.isfile(args.input):
         parser.error(f"--input {args.input!r} is not a file")
+
+
+def _open_output(parser, path: str) -> ResultOutput:
+    try:
+        return ResultOutput(path)
+    except OutputLockedError as error:
+        parser.exit(2, f"{parser.prog}: error: {error}\n")
+    except OSError as error:
+        parser.error(f"--output {path!r} cannot be written: {error.strerror or error}")
 
 
 def _open_engine(args):
@@ -273,45 +443,48 @@ def _open_engine(args):
                    max_seq_len=args.max_seq_len, device=args.device)
     if args.executor == "local":
         return LocalEngine(Engine.from_pretrained(args.model, **options), args.max_in_flight)
-    import ray
-
-    from writescope.actors.local_ray import start_local_ray
+    from writescope.actors.local_ray import ensure_ray
     from writescope.topology import emulated_topology, topology
 
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):  # inside `ray job submit`: the job's cluster
-            ray.init(log_to_driver=False)
-        else:
-            start_local_ray()
+    ensure_ray()  # inside `ray job submit`: the job's cluster; else an embedded local one
     nodes = emulated_topology(args.emulated_nodes) if args.emulated_nodes else topology()
     return Engine.from_pretrained(args.model, executor="ray", **options,
                                   executor_options={"nodes": nodes, "max_waiting": args.max_in_flight})
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0: every line has its record; 1: some requests could not finish (resubmit to retry them)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    _positive(parser, args)
+    _check_args(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    done = read_done_ids(args.output)
-    todo, bad = read_requests(args.input, done)
-    log.info("%d requests to run, %d already in %s, %d bad lines", len(todo), len(done), args.output, len(bad))
-    writer = ResultWriter(args.output)
+    output = _open_output(parser, args.output)
     engine = None
     try:
+        done = output.done
+        todo, bad = read_requests(args.input, done)
+        log.info("%d requests to run, %d already in %s, %d bad lines, %d corrupted output lines moved aside",
+                 len(todo), len(done.ids), args.output, len(bad), done.corrupt_lines)
         for record in bad:
-            writer.write(record)
+            output.write(record)
         engine = _open_engine(args)
-        counts = asyncio.run(run_batch(engine, todo, writer, max_in_flight=args.max_in_flight,
-                                       progress_every_s=args.progress_every_s, state=engine.current_share))
+        counts = asyncio.run(run_batch(engine, todo, output, max_in_flight=args.max_in_flight,
+                                       max_retries=args.max_retries, progress_every_s=args.progress_every_s,
+                                       state=engine.current_share))
     finally:
-        writer.close()
+        output.close()
         if engine is not None:
             engine.shutdown()
-    summary = {"ran": len(todo), "ok": counts["ok"], "errors": counts["errors"] + len(bad), "skipped": len(done),
-               "generated_tokens": counts["tokens"], "seconds": round(counts["seconds"], 2),
+    summary = {"ran": len(todo), "ok": counts["ok"], "errors": counts["errors"] + len(bad),
+               "skipped": len(done.ids), "retries": counts["retries"], "unfinished": len(counts["unfinished"]),
+               "corrupt_lines": done.corrupt_lines, "generated_tokens": counts["tokens"],
+               "seconds": round(counts["seconds"], 2),
                "tok_s": round(counts["tokens"] / max(counts["seconds"], 1e-9), 1)}
     log.info("summary: %s", json.dumps(summary))
+    if counts["unfinished"]:
+        log.error("%d requests could not finish (%s): resubmit the job to run them", len(counts["unfinished"]),
+                  ", ".join(map(repr, counts["unfinished"][:10])))
+        return 1
     return 0
 
 

@@ -5,7 +5,10 @@ stream socket carrying a small header each way to wake the other side.
 Why not a Ray call per layer: a plain actor call costs ~1-3 ms here, and a compiled graph
 busy-spins a core per actor (see the README). The socket wait blocks in the kernel, so nothing
 spins, and the arrays never cross the socket. Ray still places, starts, restarts and kills the
-workers. The socket is a path in a private (0700) directory: nothing listens on the network.
+workers. The socket has an abstract name (no file to leave behind when a process is killed) and
+nothing listens on the network; both ends check the other's user id (SO_PEERCRED), so no other
+user of the host can talk to either. The segment is a memfd (writescope.kv_regions.Segment): it
+goes with the last process that maps it.
 
 A CPU worker that dies takes only its socket with it: the segment belongs to the region owner.
 The client then reconnects to the restarted worker and sends the same request again; a partial is
@@ -21,11 +24,12 @@ import socket
 import struct
 import threading
 import time
-from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
+
+from writescope.kv_regions import Segment, segment_name
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +42,10 @@ _ALIGN = 64
 class ChannelSpec:
     """Where one CPU worker's channel lives and the largest request it carries."""
 
-    shm_name: str
-    socket_path: str
+    shm_name: str  # the segment's memfd name
+    owner_pid: int  # the region owner, which holds the segment's descriptor
+    fd: int
+    socket_address: str  # an abstract Unix socket name (leading NUL byte)
     max_seqs: int
     max_blocks: int  # table width: blocks of one sequence in this shard
     num_q_heads: int
@@ -64,35 +70,33 @@ class ChannelSpec:
         return offset + int(np.prod(shape)) * dtype.itemsize
 
 
-_CREATED_HERE: set[str] = set()
-
-
-def create_segment(spec: ChannelSpec) -> shared_memory.SharedMemory:
-    """The segment of one channel (called by the region owner, which unlinks it at shutdown)."""
-    segment = shared_memory.SharedMemory(name=spec.shm_name, create=True, size=spec.segment_bytes())
-    _CREATED_HERE.add(spec.shm_name)
-    return segment
+def create_segment(spec: ChannelSpec, label: str) -> tuple[ChannelSpec, Segment]:
+    """The segment of one channel (made by the region owner, which holds it for the engine's life),
+    and the spec that names it."""
+    segment = Segment.create(segment_name(label), spec.segment_bytes())
+    return replace(spec, shm_name=segment.name, owner_pid=segment.owner_pid, fd=segment.fd), segment
 
 
 class _Buffers:
-    """Numpy views of a channel's segment, attached (the owner created it and will unlink it)."""
+    """Numpy views of a channel's segment, attached from the region owner."""
 
     def __init__(self, spec: ChannelSpec):
         self.spec = spec
         try:
-            self._shm = shared_memory.SharedMemory(name=spec.shm_name, create=False)
-        except FileNotFoundError:
-            raise ValueError(f"no channel segment {spec.shm_name!r}: its region owner is gone") from None
-        if spec.shm_name not in _CREATED_HERE:  # Python < 3.13 would unlink an attached segment at exit
-            with contextlib.suppress(Exception):
-                resource_tracker.unregister(self._shm._name, "shared_memory")  # noqa: SLF001
-        self.arrays = {name: np.ndarray(shape, dtype=dtype, buffer=self._shm.buf, offset=offset)
+            self._segment = Segment.attach(spec.shm_name, spec.owner_pid, spec.fd, spec.segment_bytes())
+        except ValueError as error:
+            raise ValueError(f"channel segment: {error}") from None
+        self.arrays = {name: np.ndarray(shape, dtype=dtype, buffer=self._segment.buf, offset=offset)
                        for name, (offset, shape, dtype) in spec.layout().items()}
 
     def close(self) -> None:
         self.arrays = {}
-        with contextlib.suppress(BufferError):
-            self._shm.close()
+        self._segment.close()
+
+
+def _peer_uid(sock: socket.socket) -> int:
+    pid_uid_gid = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", pid_uid_gid)[1]
 
 
 def _receive_exact(sock: socket.socket, size: int) -> bytes:
@@ -117,10 +121,8 @@ class PartialServer:
         self._compute = compute
         self._num_layers = num_layers
         self._buffers = _Buffers(spec)
-        with contextlib.suppress(FileNotFoundError):  # a socket left by this worker's previous life
-            os.unlink(spec.socket_path)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(spec.socket_path)
+        self._listener.bind(spec.socket_address)  # free again as soon as a previous life of this worker died
         self._listener.listen(1)
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="writescope-partial-server", daemon=True)
@@ -132,6 +134,10 @@ class PartialServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            if _peer_uid(conn) != os.getuid():  # an abstract name is reachable by any user of the host
+                log.warning("refused a channel connection from another user (uid %d)", _peer_uid(conn))
+                conn.close()
+                continue
             with conn:
                 try:
                     while True:
@@ -174,8 +180,6 @@ class PartialServer:
         self._listener.close()
         self._thread.join(timeout=5)
         self._buffers.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.spec.socket_path)
 
 
 class PartialClient:
@@ -236,12 +240,12 @@ class PartialClient:
             except (ConnectionError, OSError) as exc:
                 self._drop()
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"the CPU worker at {self.spec.socket_path} did not come back within "
+                    raise RuntimeError(f"the CPU worker at {self.spec.socket_address!r} did not come back within "
                                        f"{self.reconnect_timeout_s:.0f} s") from exc
-                log.warning("CPU worker channel %s lost (%s): resending to the restarted worker",
-                            self.spec.socket_path, exc)
+                log.warning("CPU worker channel %r lost (%s): resending to the restarted worker",
+                            self.spec.socket_address, exc)
         if error:
-            raise RuntimeError(f"CPU worker at {self.spec.socket_path}: {error}")
+            raise RuntimeError(f"CPU worker at {self.spec.socket_address!r}: {error}")
         a = self._buffers.arrays
         return torch.from_numpy(a["out"][:num_seqs].copy()), torch.from_numpy(a["lse"][:num_seqs].copy()), seconds
 
@@ -250,14 +254,18 @@ class PartialClient:
         while self._sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                sock.connect(self.spec.socket_path)
-                self._sock = sock
+                sock.connect(self.spec.socket_address)
             except (FileNotFoundError, ConnectionRefusedError):
                 sock.close()
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"no CPU worker listens at {self.spec.socket_path} after "
+                    raise RuntimeError(f"no CPU worker listens at {self.spec.socket_address!r} after "
                                        f"{self.reconnect_timeout_s:.0f} s") from None
                 time.sleep(0.02)
+                continue
+            if _peer_uid(sock) != os.getuid():
+                sock.close()
+                raise RuntimeError(f"another user holds the channel name {self.spec.socket_address!r}")
+            self._sock = sock
         return self._sock
 
     def _drop(self) -> None:

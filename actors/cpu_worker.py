@@ -66,7 +66,7 @@ class CPUWorker:
 
     def check_health(self) -> bool:
         """The shard is mapped and the channel's thread is serving."""
-        return self.region.k.numel() >= 0 and self.server.serving()
+        return self.region.attached and self.server.serving()
 
     def shutdown(self) -> None:
         self.server.close()

@@ -64,12 +64,13 @@ class GPUWorker:
         try:
             for stream in streams:
                 async for event in stream:
-                    if event.finish_reason == "error":
-                        raise RuntimeError(event.error)
+                    if event.finish_reason == "error" and event.retryable:
+                        raise RuntimeError(event.error)  # the engine failed: the whole call is lost
                 request = stream.request
                 outputs.append(GenerationOutput(request.tokens, request.text, request.finish_reason,
                                                 len(request.prompt),
-                                                request.logits if kwargs.get("return_logits") else None))
+                                                request.logits if kwargs.get("return_logits") else None,
+                                                request.error))
         finally:  # an error or a cancelled call stops the call's other requests too
             for stream in streams:
                 if not stream.done:

@@ -13,12 +13,10 @@ caller's RayEngine holds only handles and forwards generate / generate_stream.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-import os
 import secrets
-import shutil
-import tempfile
 import time
 
 import ray
@@ -28,8 +26,9 @@ from writescope.actors.cpu_worker import CPUWorker
 from writescope.actors.gpu_worker import GPUWorker
 from writescope.actors.region_owner import RegionOwner
 from writescope.actors.scheduler import WriteScopeScheduler
-from writescope.engine import engine_cache_config, load_model_config
+from writescope.engine import SamplingParams, call_params, engine_cache_config, load_model_config, load_tokenizer
 from writescope.executor import LocalExecutor, merge_all, register_executor
+from writescope.prompts import PromptEncoder
 from writescope.service import QueueFullError
 from writescope.topology import NumaNode, topology
 
@@ -81,14 +80,15 @@ class ChannelExecutor(LocalExecutor):
 class RayEngine:
     """The caller's side of an engine whose actors run on Ray: the Engine API, forwarded."""
 
-    def __init__(self, owner, scheduler, gpu_worker, cpu_workers, socket_dir: str, max_seq_len: int):
-        self.max_seq_len = max_seq_len
+    def __init__(self, owner, scheduler, gpu_worker, cpu_workers, prompts: PromptEncoder, engine_id: str):
+        self.engine_id = engine_id  # in the names of its memfds and of its channels' sockets
+        self.max_seq_len = prompts.max_seq_len
+        self.prompts = prompts  # prompts are tokenised and measured here, in the caller's process
         self._worker_lost = False  # the next call first waits for the restarted GPU worker
         self.owner = owner
         self.scheduler = scheduler
         self.gpu_worker = gpu_worker
         self.cpu_workers = cpu_workers
-        self._socket_dir = socket_dir
         self._segment_names = ray.get(owner.segment_names.remote())
 
     @classmethod
@@ -114,10 +114,9 @@ class RayEngine:
                                            window_tokens=options["window_tokens"],
                                            pingpong_blocks=options["pingpong_blocks"], device=device)
         engine_id = secrets.token_hex(4)
-        socket_dir = tempfile.mkdtemp(prefix=f"writescope-{engine_id}-")  # 0700: only this user connects
         fmt = cache_config.format
-        specs = [ChannelSpec(shm_name="named by the owner",
-                             socket_path=os.path.join(socket_dir, f"cpu{i}.sock"), max_seqs=cache_config.max_seqs,
+        specs = [ChannelSpec(shm_name="named by the owner", owner_pid=0, fd=-1,
+                             socket_address=f"\0writescope-{engine_id}-cpu{i}", max_seqs=cache_config.max_seqs,
                              max_blocks=cache_config.compute_blocks_per_shard, num_q_heads=config.num_q_heads,
                              head_dim_qk=fmt.head_dim_k, head_dim_v=fmt.head_dim_v) for i in range(len(nodes))]
         owner = RegionOwner.remote(cache_config, specs, engine_id, gpus > 0)
@@ -136,14 +135,15 @@ class RayEngine:
             ray.get(gpu_worker.check_health.remote())
         except BaseException:
             _stop(actors, owner)
-            shutil.rmtree(socket_dir, ignore_errors=True)
             raise
-        return cls(owner, scheduler, gpu_worker, cpu_workers, socket_dir, options["max_seq_len"])
+        prompts = PromptEncoder(load_tokenizer(path_or_preset), config.vocab_size, options["max_seq_len"])
+        return cls(owner, scheduler, gpu_worker, cpu_workers, prompts, engine_id)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, **kwargs):
         """As Engine.generate; raises WorkerLostError (naming every request of the call) if the GPU
         worker dies meanwhile."""
+        prompts = self._encode_call(prompts, kwargs)
         self._wait_for_restart()
         try:
             return ray.get(self.gpu_worker.generate.remote(prompts, kwargs))
@@ -155,6 +155,7 @@ class RayEngine:
         """As Engine.generate_stream; raises WorkerLostError naming the requests not finished when
         the GPU worker died."""
         finished: set[int] = set()
+        prompts = self._encode_call(prompts, kwargs)
         self._wait_for_restart()
         generator = self.gpu_worker.generate_stream.remote(prompts, kwargs)
         try:
@@ -171,6 +172,14 @@ class RayEngine:
             if len(finished) < _num_prompts(prompts):  # the caller stopped early: stop the call's requests
                 with contextlib.suppress(Exception):
                     ray.cancel(generator)
+
+    def _encode_call(self, prompts, kwargs: dict) -> list[list[int]]:
+        """The call's prompts as checked token ids (ValueError for a bad or too long one)."""
+        prompts, params = call_params(prompts, SamplingParams(), kwargs.get("params"))
+        max_new_tokens = [p.max_new_tokens if kwargs.get("params") else kwargs.get("max_new_tokens", 32)
+                          for p in params]
+        return [self.prompts.encode(p, n, position) for position, (p, n) in enumerate(zip(prompts, max_new_tokens,
+                                                                                             strict=True))]
 
     def _wait_for_restart(self, timeout_s: float = 300.0) -> None:
         """After a lost GPU worker: waits until Ray has restarted it (weights loaded, regions attached)."""
@@ -190,13 +199,27 @@ class RayEngine:
         return (await self.submit_request(prompt, params))["id"]
 
     async def submit_request(self, prompt, params) -> dict:
-        """As submit: {"id", "prompt_tokens"}."""
+        """As submit: {"id", "prompt_tokens"}. The prompt is tokenised and measured here, in a thread
+        (a long text does not hold up the caller's event loop, nor ever reach the engine's loop)."""
+        ids = await asyncio.to_thread(self.prompts.encode, prompt, params.max_new_tokens)
         try:
-            return await self.gpu_worker.submit.remote(prompt, params)
+            return await self.gpu_worker.submit.remote(ids, params)
         except ray.exceptions.RayTaskError as error:  # the worker's own refusal, as its own type
             if isinstance(error.cause, QueueFullError | ValueError):
                 raise error.cause from None
             raise
+
+    async def wait_until_ready(self, timeout_s: float = 300.0) -> None:
+        """Returns once the GPU worker answers (after Ray restarted it); RuntimeError past timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                await asyncio.wait_for(self.gpu_worker.check_health.remote(), timeout=10)
+                return
+            except Exception as error:  # noqa: BLE001 - restarting, or its loop failed and it is exiting
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the GPU worker did not come back within {timeout_s:.0f} s") from error
+                await asyncio.sleep(0.5)
 
     async def stream(self, request_id: int):
         """The StreamEvents of a submitted request; closing this generator early cancels it."""
@@ -230,22 +253,19 @@ class RayEngine:
         return ray.get(self.scheduler.state.remote())
 
     def segment_names(self) -> list[str]:
-        """The shared-memory segments of this engine (gone after shutdown)."""
+        """The memfd names of this engine's shared memory (no process maps them after shutdown)."""
         return list(self._segment_names)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
-        """Stops every actor of this engine and removes its segments and sockets."""
+        """Stops every actor of this engine; its shared memory goes with them (memfds: nothing is
+        left to remove, whether they stop here or are killed)."""
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.gpu_worker.shutdown.remote(), timeout=30)
         for worker in self.cpu_workers:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.get(worker.shutdown.remote(), timeout=30)
         _stop([self.gpu_worker, *self.cpu_workers, self.scheduler], self.owner)
-        for name in self._segment_names:  # the owner unlinked them; this covers an owner that died
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(f"/dev/shm/{name}")
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
 
 
 def _stop(actors, owner) -> None:

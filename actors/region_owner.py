@@ -1,16 +1,16 @@
 """The region owner: the long-lived process that creates one engine's shared-memory segments (the
-cpu_compute shards, cpu_transfer and the CPU workers' channels) and removes them at shutdown.
+cpu_compute shards, cpu_transfer and the CPU workers' channels) and holds them for the engine's life.
 
-Authoritative state: the segments' existence. Workers attach by handle and never own; the GPU
-worker and the CPU workers can die and restart without a byte of KV going away. This actor does
-no work after creation, so it is not restarted: if it dies, the engine must be rebuilt
-(check_health says so first). Segment names carry this process's PID, so segments left by an owner
-that died with its cluster are removed by the next owner or cache created on the machine.
+Authoritative state: the segments. They are memfds whose descriptors this process holds; workers
+attach them by handle (through /proc/PID/fd of this process) and never own, so the GPU worker and
+the CPU workers can die and restart without a byte of KV going away. When this process ends, for
+any reason, the memory goes with the last worker that still maps it: nothing is ever left behind
+in /dev/shm or elsewhere. It does no work after creation, so it is not restarted: if it dies, the
+engine must be rebuilt (check_health says so first).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import ray
@@ -19,27 +19,22 @@ import ray
 @ray.remote(num_cpus=0)
 class RegionOwner:
     def __init__(self, cache_config, channel_specs, engine_id: str, pin: bool):
-        import dataclasses
-
         from writescope.actors.channel import create_segment
-        from writescope.kv_regions import HostRegion, reap_orphaned_segments, segment_prefix
+        from writescope.kv_regions import HostRegion
 
-        reap_orphaned_segments()  # what owners killed with their cluster left behind
-        name_prefix = f"{segment_prefix()}_{engine_id}"  # the PID in the name: orphans can be found
-        channel_specs = [dataclasses.replace(spec, shm_name=f"{name_prefix}_channel_{i}")
-                         for i, spec in enumerate(channel_specs)]
-        self.specs = channel_specs
         fmt = cache_config.format
         self.compute = [HostRegion.create("cpu_compute", fmt, cache_config.compute_blocks_per_shard, shard=s,
-                                          pin=False, name_prefix=name_prefix)
+                                          pin=False, label=engine_id)
                         for s in range(cache_config.num_shards)]
         # pinned by each process that maps it where CUDA is present (the GPU worker); the flag travels
         self.transfer = HostRegion.create("cpu_transfer", fmt, cache_config.transfer_blocks, pin=pin,
-                                          name_prefix=name_prefix)
-        self.channels = [create_segment(spec) for spec in channel_specs]
+                                          label=engine_id)
+        made = [create_segment(spec, f"{engine_id}_channel_{i}") for i, spec in enumerate(channel_specs)]
+        self.specs = [spec for spec, _ in made]
+        self.channels = [segment for _, segment in made]
 
     def channel_specs(self):
-        """The channels' specs with the names of the segments made here."""
+        """The channels' specs, naming the segments made here."""
         return self.specs
 
     def handles(self) -> tuple[list[bytes], bytes]:
@@ -53,15 +48,15 @@ class RegionOwner:
         return os.getpid()
 
     def check_health(self) -> bool:
-        return all(os.path.exists(f"/dev/shm/{name}") for name in self.segment_names())
+        """Every segment's descriptor is still open here (a closed owner can no longer be attached)."""
+        descriptors = [r.handle.fd for r in [*self.compute, self.transfer]] + [c.fd for c in self.channels]
+        return bool(descriptors) and all(fd >= 0 and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:writescope")
+                                         for fd in descriptors)
 
     def close(self) -> None:
-        """Unlinks every segment: the engine is finished."""
+        """Lets go of every segment: the engine is finished (the memory goes with the last mapping)."""
         for region in [*self.compute, self.transfer]:
             region.close()
         for segment in self.channels:
-            with contextlib.suppress(BufferError):
-                segment.close()
-            with contextlib.suppress(FileNotFoundError):
-                segment.unlink()
+            segment.close()
         self.compute, self.channels = [], []

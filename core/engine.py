@@ -34,8 +34,15 @@ from writescope.models.layers import causal_attention
 from writescope.models.moe_model import MoEModel
 from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
 from writescope.policies import POLICY_NAMES, Policy, make_policy
+from writescope.prompts import PromptEncoder
+from writescope.sampling import FAILED, SamplingParams, make_generator, sample
 
 log = logging.getLogger(__name__)
+
+# StreamEvent.error_kind: whose failure ended a request, and so what its caller should do.
+INVALID_REQUEST = "invalid_request"  # the request itself (a prompt that can never fit): do not retry it
+INTERNAL_ERROR = "internal"  # this request failed inside the engine; the others went on
+UNAVAILABLE = "unavailable"  # the engine failed or restarts: the request did nothing wrong, retry it
 
 
 @dataclass
@@ -45,6 +52,7 @@ class GenerationOutput:
     finish_reason: str  # "eos", "stop" or "length"
     prompt_tokens: int
     logits: list[torch.Tensor] | None = None  # [vocab] float32 per new token, when asked for
+    error: str | None = None  # why, when finish_reason is "error" (this request failed, the others did not)
 
 
 @dataclass(frozen=True)
@@ -53,33 +61,13 @@ class StreamEvent:
     token_id: int  # -1 on an error event
     text: str  # the text this token adds
     finish_reason: str | None  # set on a sequence's last event: "eos", "stop", "length", "abort" or "error"
-    error: str | None = None  # why, when finish_reason is "error"
+    error: str | None = None  # why, when finish_reason is "error": a message fit for the request's client
+    error_kind: str | None = None  # INVALID_REQUEST, INTERNAL_ERROR or UNAVAILABLE, with finish_reason "error"
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """One request's generation settings. seed: the request's own sampling stream (the same tokens
-    whatever else is batched with it, and across a resumed batch); None derives one from the call's
-    seed and the prompt's position."""
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple = ()
-
-    def __post_init__(self):
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) \
-                or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {self.temperature}, {self.top_p}")
-        stop = [self.stop] if isinstance(self.stop, str | int) else list(self.stop or [])
-        if not all(isinstance(s, str | int) for s in stop):
-            raise ValueError(f"stop must be strings or token ids, got {self.stop!r}")
-        if "" in stop:
-            raise ValueError("stop holds an empty string, which would match at once: give non-empty strings")
-        object.__setattr__(self, "stop", tuple(stop))
+    @property
+    def retryable(self) -> bool:
+        """The request failed through no fault of its own: the same request may succeed later."""
+        return self.error_kind == UNAVAILABLE
 
 
 @dataclass
@@ -97,6 +85,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
+    error: str | None = None
     prefix_offset: int = 0  # incremental detokenisation: tokens before prefix_offset are settled text
     read_offset: int = 0
 
@@ -135,6 +124,7 @@ class Engine:
         self.executor = executor
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
+        self.prompts = PromptEncoder(tokenizer, self.config.vocab_size, max_seq_len)
         self._graphs: dict[int, DecodeGraph] = {}
         self._device_backend = "triton" if model.device.type == "cuda" else "cpu"
         self.stats = {"steps": 0, "decode_s": 0.0, "tokens": 0}
@@ -197,8 +187,8 @@ class Engine:
             request.keep_logits = return_logits
         for _ in self._run(requests):
             pass
-        return [GenerationOutput(r.tokens, r.text, r.finish_reason, len(r.prompt), r.logits if return_logits else None)
-                for r in requests]
+        return [GenerationOutput(r.tokens, r.text, r.finish_reason, len(r.prompt), r.logits if return_logits else None,
+                                 r.error) for r in requests]
 
     def generate_stream(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                         seed: int | None = None, stop=None,
@@ -217,32 +207,15 @@ class Engine:
         """A checked request: the prompt encoded, its length against max_seq_len, its sampler seeded
         (params.seed, else from call_seed and the prompt's position in its call, default index)."""
         position = index if position is None else position
-        ids = self._encode(prompt, position)
-        if len(ids) + params.max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt {position} has {len(ids)} tokens; with max_new_tokens={params.max_new_tokens} it "
-                             f"exceeds max_seq_len={self.max_seq_len}")
+        ids = self.prompts.encode(prompt, params.max_new_tokens, position)
         generator = None
-        if params.temperature > 0:
+        if not params.greedy:
             seed = params.seed if params.seed is not None else (call_seed or 0) * 1_000_003 + position
-            generator = torch.Generator().manual_seed(seed)
+            generator = make_generator(seed)
         stop_strings = tuple(s for s in params.stop if isinstance(s, str))
         stop_ids = frozenset(s for s in params.stop if isinstance(s, int))
         return _Request(index, ids, params.max_new_tokens, params.temperature, params.top_p, stop_strings, stop_ids,
                         generator)
-
-    def _encode(self, prompt, index) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer.json: pass prompts as lists of token ids")
-            ids = self.tokenizer.encode(prompt).ids
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise ValueError(f"prompt {index} is empty")
-        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {index} holds token ids outside [0, {self.config.vocab_size}): {bad[:5]}")
-        return ids
 
     def _run(self, requests: list[_Request]) -> Iterator[StreamEvent]:
         """Generates a fixed set of requests to the end; a request that can never fit raises."""
@@ -267,17 +240,20 @@ class Engine:
                         continue
                     try:
                         self.cache.admit(request.seq_id, len(request.prompt), request.max_new_tokens)
-                    except CapacityError as error:
+                    except CapacityError:
                         if running:
                             break  # it waits for a running sequence to finish
                         if poll is None:
                             raise
                         waiting.popleft()
-                        yield StreamEvent(request.index, -1, "", "error", str(error))
+                        yield self._fail(request, f"the request's {len(request.prompt)} prompt tokens and "
+                                         f"max_new_tokens={request.max_new_tokens} do not fit this engine's KV "
+                                         f"cache even alone ({self.cache.free_blocks() * self.cache.block_size} "
+                                         f"tokens)", INVALID_REQUEST)
                         continue
                     waiting.popleft()
                     admitted[id(request)] = request
-                    yield self._accept(request, self._prefill(request))
+                    yield self._first_token(request)
                     if request.finish_reason is None:
                         running.append(request)
                     else:
@@ -298,7 +274,35 @@ class Engine:
                 if request.seq_id in self.cache.seqs:
                     self.cache.finish(request.seq_id)
 
+    def _first_token(self, request: _Request) -> StreamEvent:
+        """Prefills an admitted request and samples its first token; a failure ends it alone."""
+        try:
+            token = self._prefill(request)
+        except Exception:  # noqa: BLE001 - one request's prefill (out of memory, a bad prompt) ends only it
+            log.exception("prefill of request %s failed", request.index)
+            return self._fail(request, "an internal error ended this request during its prefill; the engine's "
+                              "log has the details", INTERNAL_ERROR)
+        return self._accept(request, token)
+
+    @staticmethod
+    def _fail(request: _Request, message: str, kind: str) -> StreamEvent:
+        request.finish_reason, request.error = "error", message
+        return StreamEvent(request.index, -1, "", "error", message, kind)
+
     def _accept(self, request: _Request, token: int) -> StreamEvent:
+        """The event of a sampled token; a token that could not be sampled, or any failure in the
+        request's own text handling, ends this request alone with an error event."""
+        if token == FAILED:
+            return self._fail(request, "the model's logits for this request were not finite: it was ended, the "
+                              "other requests go on", INTERNAL_ERROR)
+        try:
+            return self._accept_token(request, token)
+        except Exception:  # noqa: BLE001 - detokenisation or stop matching of one request
+            log.exception("request %s failed after token %d", request.index, token)
+            return self._fail(request, "an internal error ended this request; the engine's log has the details",
+                              INTERNAL_ERROR)
+
+    def _accept_token(self, request: _Request, token: int) -> StreamEvent:
         request.tokens.append(token)
         text_before = len(request.text)
         added = self._decode_text(request)
@@ -361,7 +365,7 @@ class Engine:
             v = stored[0][..., : self.config.decode_head_dim_v] if self.config.is_mla else stored[1]
             attention = causal_attention(q, stored[0], v, self.config.attention_scale)
             hidden = model.feed_forward(layer, model.attention_output(layer, attention, hidden))
-        return self._sample(request, model.logits(hidden[-1:])[0])
+        return self._sample([request], model.logits(hidden[-1:]))[0]
 
     # ------------------------------------------------------------------ decode
     @torch.no_grad()
@@ -377,7 +381,7 @@ class Engine:
         values = self.executor.run(graph, self._bindings(), step)
         self.policy.end_step()
         logits = values["logits"]
-        tokens = [self._sample(r, logits[i]) for i, r in enumerate(running)]
+        tokens = self._sample(running, logits)
         self.stats["steps"] += 1
         self.stats["tokens"] += len(running)
         self.stats["decode_s"] += time.perf_counter() - began
@@ -448,18 +452,14 @@ class Engine:
         self.cache.commit(step.seq_ids)
         return logits
 
-    def _sample(self, request: _Request, logits: torch.Tensor) -> int:
-        # logits [vocab] float32
-        if request.keep_logits:
-            request.logits.append(logits.detach().cpu())
-        if request.temperature == 0:
-            return int(torch.argmax(logits))
-        probs = torch.softmax(logits.float().cpu() / request.temperature, dim=-1)
-        if request.top_p < 1:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=0) - sorted_probs < request.top_p
-            probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_probs[keep])
-        return int(torch.multinomial(probs / probs.sum(), 1, generator=request.generator))
+    @staticmethod
+    def _sample(requests: list[_Request], logits: torch.Tensor) -> list[int]:
+        """logits [batch, vocab] -> one token per request (FAILED where its logits were not finite)."""
+        for request, row in zip(requests, logits, strict=True):
+            if request.keep_logits:
+                request.logits.append(row.detach().float().cpu())
+        return sample(logits, [r.temperature for r in requests], [r.top_p for r in requests],
+                      [r.generator for r in requests])
 
 
 def _load_tokenizer(path: str):
@@ -502,8 +502,15 @@ def load_model(path_or_preset: str, dtype=None, seed: int = 0):
     """(ModelConfig, weights on the CPU, tokenizer or None, torch dtype) of a checkpoint directory or preset."""
     config, torch_dtype = load_model_config(path_or_preset, dtype)
     if os.path.isdir(path_or_preset):
-        return config, load_weights(path_or_preset, config, torch_dtype), _load_tokenizer(path_or_preset), torch_dtype
-    return config, preset_weights(config, torch_dtype, seed), byte_level_tokenizer(), torch_dtype
+        weights = load_weights(path_or_preset, config, torch_dtype)
+    else:
+        weights = preset_weights(config, torch_dtype, seed)
+    return config, weights, load_tokenizer(path_or_preset), torch_dtype
+
+
+def load_tokenizer(path_or_preset: str):
+    """The tokenizer of a checkpoint directory (None without tokenizer.json) or of a preset."""
+    return _load_tokenizer(path_or_preset) if os.path.isdir(path_or_preset) else byte_level_tokenizer()
 
 
 def load_model_config(path_or_preset: str, dtype=None) -> tuple[ModelConfig, torch.dtype]:

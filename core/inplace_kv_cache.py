@@ -23,7 +23,7 @@ import torch
 
 from writescope.block_allocator import BlockAllocator, CapacityError
 from writescope.kv_format import KVFormat
-from writescope.kv_regions import HostRegion, reap_orphaned_segments
+from writescope.kv_regions import HostRegion
 from writescope.ops import KVSource
 from writescope.policies import Policy, Region
 
@@ -88,7 +88,6 @@ class InplaceKVCache:
         self.policy = policy
         fmt = config.format
         if region_handles is None:
-            reap_orphaned_segments()
             self.compute = [HostRegion.create("cpu_compute", fmt, config.compute_blocks_per_shard, shard=s)
                             for s in range(config.num_shards)]
             self.transfer = HostRegion.create("cpu_transfer", fmt, config.transfer_blocks)

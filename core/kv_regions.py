@@ -1,10 +1,14 @@
 """Host regions of InplaceKVCache in shared memory, and the handles other processes attach them by.
 
-A host region (`cpu_compute` shard or `cpu_transfer`) is one POSIX shared-memory segment holding
-the K array (and the V array unless V lives inside K), laid out as `KVFormat.shape` says. The
-process that creates a region owns it and unlinks it on `close()`; any other process attaches it
-from a `RegionHandle` (a small msgpack message) and maps the same bytes. Handles are validated on
-decode and on attach: a wrong kind, layout, dtype, size, offset or block id is a ValueError, never
+A host region (`cpu_compute` shard or `cpu_transfer`) is one shared-memory segment holding the K
+array (and the V array unless V lives inside K), laid out as `KVFormat.shape` says. A segment is an
+anonymous memfd, not a file in /dev/shm: its memory is freed by the kernel when the last process
+holding it (its creator's descriptor, any process's mapping) is gone, so no kill, crash or torn-down
+cluster can leave KV behind. Another process attaches a segment from a `RegionHandle` (a small
+msgpack message naming the creator's PID and descriptor) by opening /proc/PID/fd/FD, which the
+kernel allows to processes of the same user; the creator must be alive then (a worker restarted
+by Ray re-attaches from the long-lived region owner). Handles are validated on decode and on
+attach: a wrong kind, layout, dtype, size, offset, block id or descriptor is a ValueError, never
 an out-of-bounds access.
 """
 
@@ -12,11 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
-import re
 import secrets
 from dataclasses import dataclass, field, fields
-from multiprocessing import resource_tracker, shared_memory
 
 import msgpack
 import numpy as np
@@ -28,7 +31,6 @@ log = logging.getLogger(__name__)
 
 HOST_KINDS = ("cpu_compute", "cpu_transfer")
 _ALIGN_BYTES = 4096
-_CREATED_HERE: set[str] = set()  # segments this process created (and the tracker knows as ours)
 _NUMPY_STORAGE = {"bfloat16": np.int16, "float16": np.float16, "float32": np.float32}
 
 
@@ -36,10 +38,83 @@ def _align(n: int) -> int:
     return -(-n // _ALIGN_BYTES) * _ALIGN_BYTES
 
 
+class Segment:
+    """Shared memory that cannot outlive its users: an anonymous memfd mapped MAP_SHARED.
+
+    create() makes one in this process, which keeps its descriptor until close(); attach() maps
+    the creator's segment from (creator PID, descriptor, name, size) through /proc. The memory is
+    freed when the creator has closed it (or died) and every mapping is gone.
+    """
+
+    def __init__(self, name: str, mapping: mmap.mmap, size: int, owner_pid: int, fd: int, owned: bool):
+        self.name = name
+        self.buf = mapping
+        self.size = size
+        self.owner_pid = owner_pid
+        self.fd = fd  # the creator's descriptor number (open in this process only if owned)
+        self.owned = owned
+
+    @classmethod
+    def create(cls, name: str, size: int) -> Segment:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            mapping = mmap.mmap(fd, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(name, mapping, size, os.getpid(), fd, owned=True)
+
+    @classmethod
+    def attach(cls, name: str, owner_pid: int, fd: int, size: int) -> Segment:
+        """ValueError when the creator is gone, the descriptor is not that segment, or it is smaller than size."""
+        path = f"/proc/{owner_pid}/fd/{fd}"
+        try:
+            target = os.readlink(path)
+            local_fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise ValueError(f"segment {name!r}: its owner (pid {owner_pid}) or its descriptor {fd} is gone; "
+                             f"the region is gone") from None
+        except PermissionError:
+            raise ValueError(f"segment {name!r}: /proc/{owner_pid}/fd/{fd} cannot be opened (the owner runs as "
+                             f"another user, or /proc is restricted)") from None
+        try:
+            if target != f"/memfd:{name} (deleted)":
+                raise ValueError(f"descriptor {fd} of pid {owner_pid} is {target!r}, not segment {name!r}")
+            actual = os.fstat(local_fd).st_size
+            if actual < size:
+                raise ValueError(f"segment {name!r} holds {actual} bytes, the handle says {size}")
+            mapping = mmap.mmap(local_fd, size)
+        finally:
+            os.close(local_fd)  # the mapping keeps the memory
+        return cls(name, mapping, size, owner_pid, fd, owned=False)
+
+    @property
+    def address(self) -> int:
+        """Where the segment is mapped in this process (page-aligned)."""
+        return np.frombuffer(self.buf, dtype=np.uint8).ctypes.data
+
+    def close(self) -> None:
+        """Unmaps (unless views are still held: the mapping then lives until they go) and, in the
+        creator, closes the descriptor, so the memory goes with the last mapping."""
+        with contextlib.suppress(BufferError):
+            self.buf.close()
+        if self.owned and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def segment_name(label: str) -> str:
+    """A segment name unique on this host (it shows in /proc/PID/maps as /memfd:NAME)."""
+    return f"writescope_{label}_{secrets.token_hex(6)}"
+
+
 @dataclass(frozen=True)
 class RegionHandle:
     kind: str
-    shm_name: str
+    shm_name: str  # the segment's memfd name
+    owner_pid: int  # the process that created the segment and holds its descriptor
+    fd: int  # that descriptor, in the owner
     shard: int
     num_blocks: int
     segment_bytes: int
@@ -63,6 +138,8 @@ class RegionHandle:
             raise ValueError(f"handle shm_name must be a non-empty string, got {self.shm_name!r}")
         if self.shard < 0 or self.num_blocks < 0:
             raise ValueError(f"handle shard ({self.shard}) and num_blocks ({self.num_blocks}) must be >= 0")
+        if self.owner_pid < 1 or self.fd < 0:
+            raise ValueError(f"handle owner_pid ({self.owner_pid}) must be >= 1 and fd ({self.fd}) >= 0")
         dims = self.format.stored_dims
         if len(self.offsets) != len(dims):
             raise ValueError(f"handle has {len(self.offsets)} offsets for {len(dims)} stored arrays")
@@ -96,7 +173,7 @@ class RegionHandle:
         if not isinstance(data, dict) or set(data) != expected:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"a region handle needs the fields {sorted(expected)}, got {got}")
-        ints = ("shard", "num_blocks", "segment_bytes")
+        ints = ("owner_pid", "fd", "shard", "num_blocks", "segment_bytes")
         if not all(isinstance(data[k], int) for k in ints) or not isinstance(data["pinned"], bool):
             raise ValueError(f"handle fields {ints} must be integers and pinned a bool")
         for key, kind in (("offsets", int), ("block_table", int), ("layout", str)):
@@ -120,70 +197,60 @@ def _array_bytes(fmt: KVFormat, kind: str, num_blocks: int, head_dim: int) -> in
 class HostRegion:
     """A `cpu_compute` shard or the `cpu_transfer` region in shared memory.
 
-    Authoritative state: the bytes of the segment. The owner (creator) unlinks the segment on
-    close(); attached views only unmap. Arrays are torch tensors over the mapping (zero-copy).
+    Authoritative state: the bytes of the segment. The creator's close() lets the memory go once
+    no process maps it; an attached region's close() only unmaps. Arrays are torch tensors over
+    the mapping (zero-copy).
     """
 
-    def __init__(self, shm, handle: RegionHandle, owner: bool):
-        self._shm = shm
+    def __init__(self, segment: Segment, handle: RegionHandle):
+        self._segment = segment
         self.handle = handle
-        self.owner = owner
+        self.owner = segment.owned
         self.arrays = [self._view(offset, dim) for offset, dim in zip(handle.offsets, handle.format.stored_dims,
                                                                        strict=True)]
         # Page-locking is per mapping: each process that maps a pinned region (the owner, or the GPU
         # worker attaching it) registers its own view with CUDA, where CUDA is present.
-        self._pinned = handle.pinned and _pin(self._shm)
+        self._pinned = handle.pinned and _pin(segment)
 
     @classmethod
     def create(cls, kind: str, fmt: KVFormat, num_blocks: int, *, shard: int = 0, pin: bool | None = None,
-               name_prefix: str | None = None) -> HostRegion:
-        """name_prefix must start with segment_prefix() of the creating process (the default), so a
-        segment whose creator died without unlinking it can be found and removed later."""
-        name_prefix = name_prefix or segment_prefix()
+               label: str = "cache") -> HostRegion:
+        """label names the segment (with kind, shard and a random suffix) in /proc/PID/maps."""
         offsets, end = [], 0
         for dim in fmt.stored_dims:
             offsets.append(end)
             end = _align(end + _array_bytes(fmt, kind, num_blocks, dim))
         pin = torch.cuda.is_available() and kind == "cpu_transfer" if pin is None else pin
-        shm = shared_memory.SharedMemory(name=f"{name_prefix}_{kind}_{shard}_{secrets.token_hex(6)}", create=True,
-                                         size=max(end, 1))
-        _CREATED_HERE.add(shm.name)
-        handle = RegionHandle(kind=kind, shm_name=shm.name, shard=shard, num_blocks=num_blocks,
-                              segment_bytes=max(end, 1), offsets=tuple(offsets), layout=LAYOUTS[kind], format=fmt,
-                              pinned=pin)
-        return cls(shm, handle, owner=True)
+        segment = Segment.create(segment_name(f"{label}_{kind}_{shard}"), max(end, 1))
+        handle = RegionHandle(kind=kind, shm_name=segment.name, owner_pid=segment.owner_pid, fd=segment.fd,
+                              shard=shard, num_blocks=num_blocks, segment_bytes=segment.size, offsets=tuple(offsets),
+                              layout=LAYOUTS[kind], format=fmt, pinned=pin)
+        return cls(segment, handle)
 
     @classmethod
     def attach(cls, handle: RegionHandle | bytes) -> HostRegion:
         if isinstance(handle, bytes | bytearray):
             handle = RegionHandle.from_bytes(bytes(handle))
         handle.validate()
-        try:
-            shm = shared_memory.SharedMemory(name=handle.shm_name, create=False)
-        except FileNotFoundError:
-            raise ValueError(f"no shared-memory segment named {handle.shm_name!r}: the region is gone") from None
-        # Python < 3.13 registers attached segments too, and would unlink them when this process exits.
-        if handle.shm_name not in _CREATED_HERE:
-            with contextlib.suppress(Exception):
-                resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
-        if shm.size < handle.segment_bytes:
-            shm.close()
-            raise ValueError(f"segment {handle.shm_name!r} holds {shm.size} bytes, the handle says "
-                             f"{handle.segment_bytes}")
-        return cls(shm, handle, owner=False)
+        return cls(Segment.attach(handle.shm_name, handle.owner_pid, handle.fd, handle.segment_bytes), handle)
 
     @property
     def kind(self) -> str:
         return self.handle.kind
 
     @property
+    def attached(self) -> bool:
+        """The segment is mapped here (not closed)."""
+        return self._segment is not None
+
+    @property
     def address(self) -> int:
         """Where the segment is mapped in this process (page-aligned)."""
-        return _buffer_address(self._shm)
+        return self._segment.address
 
     @property
     def size_bytes(self) -> int:
-        return self._shm.size
+        return self._segment.size
 
     @property
     def k(self) -> torch.Tensor:
@@ -197,70 +264,27 @@ class HostRegion:
     def _view(self, offset: int, head_dim: int) -> torch.Tensor:
         fmt = self.handle.format
         shape = fmt.shape(self.handle.kind, self.handle.num_blocks, head_dim)
-        array = np.ndarray(shape, dtype=_NUMPY_STORAGE[fmt.dtype], buffer=self._shm.buf, offset=offset)
+        array = np.ndarray(shape, dtype=_NUMPY_STORAGE[fmt.dtype], buffer=self._segment.buf, offset=offset)
         tensor = torch.from_numpy(array)
         return tensor.view(torch.bfloat16) if fmt.dtype == "bfloat16" else tensor
 
     def close(self) -> None:
-        if self._shm is None:
+        if self._segment is None:
             return
         if self._pinned:
-            _unpin(self._shm)
+            _unpin(self._segment)
         self.arrays = []
-        with contextlib.suppress(BufferError):  # a caller still holds a view: the mapping lives on until exit
-            self._shm.close()
-        if self.owner:
-            with contextlib.suppress(FileNotFoundError):
-                self._shm.unlink()
-            _CREATED_HERE.discard(self.handle.shm_name)
-        self._shm = None
+        self._segment.close()
+        self._segment = None
 
 
-_OWNED_NAME = re.compile(r"^writescope_p(\d+)_")
-
-
-def segment_prefix(pid: int | None = None) -> str:
-    """The name prefix of the shared-memory segments a process creates: it carries the creator's PID."""
-    return f"writescope_p{os.getpid() if pid is None else pid}"
-
-
-def reap_orphaned_segments(shm_dir: str = "/dev/shm") -> list[str]:
-    """Unlinks WriteScope segments whose creating process is gone: what a SIGKILLed engine (or a Ray
-    cluster torn down under it) left behind. Returns the names removed. Assumes /dev/shm is not
-    shared with another PID namespace (true of a host and of a container)."""
-    removed = []
-    for name in sorted(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else []:
-        match = _OWNED_NAME.match(name)
-        if match and not _alive(int(match.group(1))):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(shm_dir, name))
-                removed.append(name)
-    if removed:
-        log.warning("removed %d shared-memory segments of dead WriteScope processes: %s", len(removed), removed)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
-
-
-def _buffer_address(shm) -> int:
-    return np.frombuffer(shm.buf, dtype=np.uint8).ctypes.data
-
-
-def _pin(shm) -> bool:
+def _pin(segment: Segment) -> bool:
     """Page-locks the segment for the CUDA runtime, so copies from it are true DMA."""
     if not torch.cuda.is_available():
         return False
-    result = torch.cuda.cudart().cudaHostRegister(_buffer_address(shm), shm.size, 0)
+    result = torch.cuda.cudart().cudaHostRegister(segment.address, segment.size, 0)
     return int(result) == 0
 
 
-def _unpin(shm) -> None:
-    torch.cuda.cudart().cudaHostUnregister(_buffer_address(shm))
+def _unpin(segment: Segment) -> None:
+    torch.cuda.cudart().cudaHostUnregister(segment.address)

@@ -21,7 +21,7 @@ import queue
 import threading
 from collections import deque
 
-from writescope.engine import Engine, SamplingParams, StreamEvent
+from writescope.engine import UNAVAILABLE, Engine, SamplingParams, StreamEvent
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +156,9 @@ class EngineService:
         except BaseException as error:  # noqa: BLE001 - every waiting caller learns why
             log.exception("the engine loop failed")
             self.failure = error
-            for request_id in list(self._streams):
-                self._deliver(StreamEvent(request_id, -1, "", "error", f"engine failure: {error}"))
+            for request_id in list(self._streams):  # the details stay in the log, not in what clients see
+                self._deliver(StreamEvent(request_id, -1, "", "error", "the engine failed and is restarting: retry "
+                                          "the request", UNAVAILABLE))
             if self.on_failure is not None:
                 self.on_failure(error)
 

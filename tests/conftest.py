@@ -7,6 +7,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Ray reads this once, when it is imported: the test session's local clusters (and the heads the
+# tests start as children) then bind loopback only, as writescope's entry points make them do.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 import pytest  # noqa: E402
 
 

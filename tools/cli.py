@@ -17,7 +17,6 @@ import argparse
 import importlib
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -71,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--api-key-env", default="WRITESCOPE_API_KEY",
                            help="environment variable holding the API key (required beyond loopback)")
     serve_cmd.add_argument("--address", default=None, help="a Ray cluster to use (default: an embedded local Ray)")
+    serve_cmd.add_argument("--max-body-bytes", type=int, default=None,
+                           help="largest request body accepted (default: 64 KiB + 32 bytes per max_seq_len token)")
 
     bench = commands.add_parser("bench", help="a benchmark: cpu | gpu | e2e | orchestration, then its own flags")
     bench.add_argument("which", choices=list(BENCHES), help="which benchmark")
@@ -137,20 +138,24 @@ def _calibrate(args) -> int:
 
 
 def _serve(args) -> int:
+    from writescope.actors.local_ray import start_local_ray
+
+    if args.address:
+        import ray
+
+        ray.init(address=args.address)
+    else:
+        start_local_ray()  # before Ray is imported: the embedded cluster then binds loopback only
     import ray
     from ray import serve
 
-    from writescope.actors.local_ray import start_local_ray
     from writescope.actors.serve_app import build_app
 
-    if args.address:
-        ray.init(address=args.address)
-    else:
-        start_local_ray()
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app({"model": args.model, "policy": args.policy, "max_batch_size": args.max_batch_size,
                          "max_seq_len": args.max_seq_len, "max_queue": args.max_queue, "dtype": args.dtype,
-                         "device": args.device, "api_key_env": args.api_key_env}), name="writescope", route_prefix="/")
+                         "device": args.device, "api_key_env": args.api_key_env,
+                         "max_body_bytes": args.max_body_bytes}), name="writescope", route_prefix="/")
     logging.getLogger("writescope.serve").info("serving on http://%s:%d/v1 (Ctrl-C stops)", args.host, args.port)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
@@ -161,22 +166,8 @@ def _serve(args) -> int:
         pass
     finally:
         serve.shutdown()
-        ray.shutdown()  # the embedded cluster goes: its actors' processes with it
-        _reap_after_shutdown()
+        ray.shutdown()  # the embedded cluster goes: its actors' processes (and their shared memory) with it
     return 0
-
-
-def _reap_after_shutdown(timeout_s: float = 10.0) -> None:
-    """Removes the segments of region owners that died with the cluster without unlinking them
-    (Serve does not always run the replica's cleanup on the way down)."""
-    from writescope.kv_regions import reap_orphaned_segments
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        reap_orphaned_segments()
-        if not any(name.startswith("writescope_p") for name in os.listdir("/dev/shm")):
-            return
-        time.sleep(0.5)
 
 
 if __name__ == "__main__":

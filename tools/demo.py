@@ -75,12 +75,9 @@ def main(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if args.executor == "ray":
-        import ray
+        from writescope.actors.local_ray import ensure_ray
 
-        from writescope.actors.local_ray import start_local_ray
-
-        if not ray.is_initialized():
-            start_local_ray()
+        ensure_ray()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (args.context,), generator=generator).tolist() for _ in range(args.batch)]
     results = [run_policy(args, policy, prompts) for policy in args.policies]

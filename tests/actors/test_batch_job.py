@@ -1,7 +1,9 @@
 """The batch entry through `ray job submit` on a real head node: stopped halfway with `ray job
-stop`, resubmitted, every id exactly once with the tokens of an uninterrupted run; bad lines
-become error records. The head runs as a child of this test (own temp dir, token auth on) and is
-stopped by its PID, never with `ray stop`."""
+stop`, resubmitted, every id exactly once with the tokens of an uninterrupted run; a GPU worker
+killed mid-batch costs nothing (its requests are retried); bad and poison lines become error
+records keyed so they cannot collide with a real id; a second job on the same output is refused;
+a corrupted output line is moved aside on resume. The head runs as a child of this test (own temp
+dir, token auth on) and is stopped by its PID, never with `ray stop`."""
 
 import json
 import os
@@ -38,11 +40,20 @@ def write_prompts(path, count=16):
             f.write(json.dumps({"id": f"req-{i}", "prompt": prompt, "max_new_tokens": 24}) + "\n")
         f.write("{broken\n")
         f.write(json.dumps({"id": "too-long", "prompt": list(range(1, 200)) * 6, "max_new_tokens": 8}) + "\n")
+        f.write(json.dumps({"id": "line-17", "prompt": [1, 2, 3], "max_new_tokens": 4}) + "\n")  # a real id
+        f.write(json.dumps({"id": "tiny", "prompt": [4, 5, 6], "max_new_tokens": 6, "temperature": 1e-300,
+                            "top_p": 1e-300}) + "\n")
+        f.write('{"id": "surrogate", "prompt": "a\\ud800b", "max_new_tokens": 4}\n')
 
 
 def read_results(path):
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def key(record):
+    """What a record answers: its id, or the line number of a line that had no usable id."""
+    return ("line", record["line"]) if record["id"] is None else ("id", record["id"])
 
 
 @pytest.fixture(scope="module")
@@ -88,40 +99,130 @@ def job_id(stdout: str) -> str:
     raise AssertionError(f"no job id in: {stdout}")
 
 
-def test_a_stopped_batch_resumes_and_every_id_appears_once_with_the_same_tokens(head, tmp_path):
-    address, env = head
-    workdir = tmp_path / "job"
-    workdir.mkdir()
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The prompts and an uninterrupted one-process run's records, by key."""
+    workdir = tmp_path_factory.mktemp("job")
     write_prompts(workdir / "prompts.jsonl")
-    reference = tmp_path / "reference.jsonl"
+    output = workdir.parent / "reference.jsonl"
     assert batch_main([*ARGS, "--executor", "local", "--input", str(workdir / "prompts.jsonl"),
-                       "--output", str(reference)]) == 0
-    expected = {r["id"]: r for r in read_results(reference)}
+                       "--output", str(output)]) == 0
+    return workdir, {key(r): r for r in read_results(output)}
 
+
+def test_poison_and_bad_lines_become_their_own_records(reference):
+    _, expected = reference
+    assert "exceeds max_seq_len" in expected[("id", "too-long")]["error"]
+    assert "not JSON" in expected[("line", 17)]["error"]
+    assert expected[("id", "line-17")]["finish_reason"] == "length"  # a real id never collides with a bad line
+    assert expected[("id", "tiny")]["finish_reason"] == "length"  # degenerate sampling is greedy, not a crash
+    assert "lone surrogate" in expected[("id", "surrogate")]["error"]
+    assert sum(1 for k in expected if k[0] == "id" and k[1].startswith("req-")) == 16
+
+
+def wait_for_results(output, count, timeout_s=300):
+    deadline = time.monotonic() + timeout_s
+    while not output.exists() or len(read_results(output)) < count:
+        assert time.monotonic() < deadline, f"the job wrote fewer than {count} results in {timeout_s} s"
+        time.sleep(0.2)
+
+
+def assert_complete(output, expected):
+    results = read_results(output)
+    keys = [key(r) for r in results]
+    assert sorted(keys, key=str) == sorted(expected, key=str) and len(keys) == len(set(keys))  # each exactly once
+    for record in results:
+        assert record == expected[key(record)]
+
+
+def test_a_stopped_batch_resumes_and_every_id_appears_once_with_the_same_tokens(head, reference, tmp_path):
+    address, env = head
+    workdir, expected = reference
     output = tmp_path / "results.jsonl"
     started = submit(address, env, workdir, output, wait=False)
     assert started.returncode == 0, started.stderr
     job = job_id(started.stdout)
-    deadline = time.monotonic() + 300
-    while not output.exists() or len(read_results(output)) < 6:  # 2 error records + some results
-        assert time.monotonic() < deadline, "the job wrote no results in 300 s"
-        time.sleep(0.2)
+    wait_for_results(output, 8)  # the error records + some results
     stopped = subprocess.run([f"{BIN}/ray", "job", "stop", "--address", address, job], env=env,
                              capture_output=True, text=True, timeout=120)
     assert stopped.returncode == 0, stopped.stderr
     halfway = read_results(output)
-    assert 4 <= len(halfway) < len(expected), "the stop came after the batch ended: nothing to resume"
+    assert 6 <= len(halfway) < len(expected), "the stop came after the batch ended: nothing to resume"
 
     finished = submit(address, env, workdir, output)
     assert finished.returncode == 0, finished.stdout + finished.stderr
     assert "summary:" in finished.stdout and "progress:" in finished.stdout  # the job's logs
-    results = read_results(output)
-    ids = [r["id"] for r in results]
-    assert sorted(ids) == sorted(expected) and len(ids) == len(set(ids))  # each id exactly once
-    for record in results:
-        assert record == expected[record["id"]]
-    assert "too long" in expected["too-long"]["error"] or "exceeds max_seq_len" in expected["too-long"]["error"]
-    assert "not JSON" in expected["line-17"]["error"]
+    assert_complete(output, expected)
+
+
+def gpu_worker_pids(address, env) -> list[int]:
+    listed = subprocess.run([f"{BIN}/ray", "list", "actors", "--address", address, "--format", "json",
+                             "--filter", "class_name=GPUWorker", "--filter", "state=ALIVE", "--detail"],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    return [actor["pid"] for actor in json.loads(listed.stdout)]
+
+
+def test_a_gpu_worker_killed_mid_batch_costs_nothing(head, reference, tmp_path):
+    address, env = head
+    workdir, expected = reference
+    output = tmp_path / "results.jsonl"
+    started = submit(address, env, workdir, output, wait=False)
+    assert started.returncode == 0, started.stderr
+    job = job_id(started.stdout)
+    wait_for_results(output, 8)
+    pids = gpu_worker_pids(address, env)
+    assert len(pids) == 1
+    os.kill(pids[0], signal.SIGKILL)  # Ray restarts it; the requests in flight are retried on the new one
+    waited = subprocess.run([f"{BIN}/ray", "job", "logs", "--follow", "--address", address, job], env=env,
+                            capture_output=True, text=True, timeout=600)
+    status = subprocess.run([f"{BIN}/ray", "job", "status", "--address", address, job], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert "succeeded" in status.stdout.lower(), waited.stdout[-3000:]
+    assert "retrying once it is back" in waited.stdout  # some request was in flight and was retried
+    assert_complete(output, expected)
+
+
+def test_a_second_job_on_the_same_output_is_refused(reference, tmp_path):
+    from writescope.actors.batch_job import ResultOutput
+
+    workdir, expected = reference
+    output = tmp_path / "results.jsonl"
+    command = [sys.executable, "-m", "writescope.actors.batch_job", *ARGS, "--executor", "local",
+               "--input", str(workdir / "prompts.jsonl"), "--output", str(output)]
+    running = ResultOutput(str(output))  # a job writing this output (in this process: its lock is real)
+    try:
+        second = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert second.returncode == 2
+        assert "is being written by another batch job" in second.stderr and f"pid {os.getpid()}" in second.stderr
+        assert read_results(output) == []  # the refused job wrote nothing
+    finally:
+        running.close()
+    assert subprocess.run(command, capture_output=True, text=True, timeout=600).returncode == 0  # once it is free
+    assert_complete(output, expected)
+
+
+def test_a_corrupted_output_line_is_moved_aside_and_its_request_runs_again(reference, tmp_path):
+    workdir, expected = reference
+    output = tmp_path / "results.jsonl"
+    records = [json.dumps(r) for r in expected.values()]
+    torn = records[3][: len(records[3]) // 2]  # a record half-overwritten in the middle of the file
+    output.write_text("\n".join(records[:3] + [torn] + records[4:8]) + "\n" + records[8][:10])
+    assert batch_main([*ARGS, "--executor", "local", "--input", str(workdir / "prompts.jsonl"),
+                       "--output", str(output)]) == 0
+    assert_complete(output, expected)
+    quarantined = (tmp_path / "results.jsonl.corrupt").read_text()
+    assert torn in quarantined and "line 4" in quarantined
+
+
+def test_an_unwritable_output_is_a_clear_error(reference, tmp_path, capsys):
+    workdir, _ = reference
+    (tmp_path / "dir").mkdir()
+    for output in ("/proc/no-such/results.jsonl", str(tmp_path / "dir")):
+        with pytest.raises(SystemExit) as exited:
+            batch_main([*ARGS, "--executor", "local", "--input", str(workdir / "prompts.jsonl"), "--output", output])
+        assert exited.value.code == 2
+        assert "cannot be written" in capsys.readouterr().err
 
 
 def test_bad_arguments_are_refused_with_what_is_allowed(tmp_path, capsys):
@@ -136,16 +237,19 @@ def test_bad_arguments_are_refused_with_what_is_allowed(tmp_path, capsys):
 
 
 def test_bad_bytes_and_duplicates_are_reported_once_across_resumed_runs(tmp_path):
-    from writescope.actors.batch_job import read_requests
+    from writescope.actors.batch_job import Done, read_requests
 
     path = tmp_path / "in.jsonl"
-    path.write_bytes(b'{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n\xff\xfe\n{"id": "b", "prompt": "z"}\n')
-    todo, errors = read_requests(str(path), set())
+    path.write_bytes(b'{"id": "a", "prompt": "x"}\n{"id": "a", "prompt": "y"}\n\xff\xfe\n{"id": "b", "prompt": "z"}\n'
+                     b'{"id": true, "prompt": "t"}\n{"id": "c", "prompt": 5}\n{"id": "c", "prompt": "w"}\n')
+    todo, errors = read_requests(str(path), Done())
     assert [line.id for line in todo] == ["a", "b"]
-    assert {e["id"]: e["error"] for e in errors} == {"line-2": "line 2: duplicate id 'a'",
-                                                     "line-3": errors[1]["error"]}
-    assert "not UTF-8" in errors[1]["error"]
-    todo, errors = read_requests(str(path), {"line-2", "line-3"})  # resumed before "a" finished
+    by_key = {key(e): e["error"] for e in errors}
+    assert set(by_key) == {("line", 2), ("line", 3), ("line", 5), ("id", "c"), ("line", 7)}
+    assert by_key[("line", 2)] == "line 2: duplicate id 'a' (an earlier line has it)"
+    assert "not UTF-8" in by_key[("line", 3)] and "id must be" in by_key[("line", 5)]
+    assert "prompt" in by_key[("id", "c")]  # the first line with an id claims it, valid or not
+    todo, errors = read_requests(str(path), Done(ids={"c"}, lines={2, 3, 5, 7}))  # resumed before "a" finished
     assert [line.id for line in todo] == ["a", "b"] and errors == []
-    todo, errors = read_requests(str(path), {"a", "line-2", "line-3"})
+    todo, errors = read_requests(str(path), Done(ids={"a", "c"}, lines={2, 3, 5, 7}))
     assert [line.id for line in todo] == ["b"] and errors == []

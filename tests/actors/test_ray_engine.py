@@ -14,6 +14,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from tests.processes import abstract_sockets, processes_mapping  # noqa: E402
 from writescope.actors.local_ray import start_local_ray  # noqa: E402
 from writescope.actors.ray_engine import WorkerLostError  # noqa: E402
 from writescope.engine import Engine  # noqa: E402
@@ -124,24 +125,44 @@ def test_the_scheduler_learns_from_the_workers_times(ray_cluster):
     assert 0 <= state["share_at_32k"] <= 1 and state["model"]["cpu_s_per_token"] > 0
 
 
-def test_shutdown_removes_every_segment_socket_and_actor(ray_cluster):
+def wait_until(condition, timeout_s=60.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within the time limit"
+        time.sleep(0.2)
+
+
+def test_shutdown_leaves_no_segment_socket_or_actor(ray_cluster):
     engine = ray_engine("tiny-deepseek-v2", "fixed_half", 2)
     engine.generate(PROMPTS[:1], max_new_tokens=3)
     names = engine.segment_names()
-    socket_dir = engine._socket_dir  # noqa: SLF001
     assert len(names) == 2 + 1 + 2  # two shards, cpu_transfer, two channels
-    assert all(os.path.exists(f"/dev/shm/{name}") for name in names)
-    assert os.stat(socket_dir).st_mode & 0o777 == 0o700  # the channels' sockets: this user only
+    owner_pid = ray.get(engine.owner.pid.remote())
+    assert all(owner_pid in processes_mapping(name) for name in names)
+    prefix = f"writescope-{engine.engine_id}-"
+    assert set(abstract_sockets(prefix)) == {f"@{prefix}cpu0", f"@{prefix}cpu1"}  # the channels: no file anywhere
+    assert not [n for n in os.listdir("/dev/shm") if engine.engine_id in n]
     actors = [engine.owner, engine.scheduler, engine.gpu_worker, *engine.cpu_workers]
     engine.shutdown()
-    assert not [name for name in names if os.path.exists(f"/dev/shm/{name}")]
-    assert not os.path.exists(socket_dir)
-    for actor in actors:  # ray.kill is asynchronous: each actor is gone within a few seconds
-        deadline = time.monotonic() + 30
+    wait_until(lambda: not any(processes_mapping(name) for name in names))  # ray.kill is asynchronous
+    assert abstract_sockets(prefix) == []
+    for actor in actors:
         with pytest.raises(ray.exceptions.RayActorError):
-            while time.monotonic() < deadline:
-                ray.get(actor.check_health.remote(), timeout=30)
-                time.sleep(0.2)
+            wait_until(lambda a=actor: ray.get(a.check_health.remote(), timeout=30) is None, timeout_s=30)
+
+
+def test_an_engine_killed_outright_leaves_no_memory_behind(ray_cluster):
+    engine = ray_engine("tiny-qwen3-moe", "fixed_half", 1)
+    try:
+        engine.generate(PROMPTS[:1], max_new_tokens=3)
+        names = engine.segment_names()
+        pids = [ray.get(a.pid.remote()) for a in [engine.owner, engine.gpu_worker, *engine.cpu_workers]]
+        for pid in pids:  # as a node's OOM killer or `kill -9` would
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not any(processes_mapping(name) for name in names))
+        assert not [n for n in os.listdir("/dev/shm") if engine.engine_id in n]
+    finally:
+        engine.shutdown()
 
 
 def test_token_authentication_is_on(ray_cluster):

@@ -2,8 +2,6 @@
 and not) each answered with its own prompt's tokens; malformed bodies get 4xx with a message; a
 full queue gets 429 with Retry-After while the admitted requests finish; the API key is enforced."""
 
-import json
-import socket
 import threading
 
 import pytest
@@ -13,6 +11,7 @@ requests = pytest.importorskip("requests")
 
 from ray import serve  # noqa: E402
 
+from tests.actors.http import free_port, sse_chunks, wait_healthy  # noqa: E402
 from writescope.actors.serve_app import OpenAIIngress, build_app  # noqa: E402
 from writescope.engine import Engine  # noqa: E402
 
@@ -20,12 +19,6 @@ pytestmark = pytest.mark.ray
 MODEL = "tiny-qwen3-moe"
 PROMPTS = [f"request {i}: " + "long context " * (5 + 3 * i) for i in range(32)]
 NEW_TOKENS = 6
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -40,23 +33,9 @@ def server(ray_cluster):
                          api_key_env="WS_TEST_KEY"), name="tight", route_prefix="/tight", blocking=False)
     base = f"http://127.0.0.1:{port}"
     for prefix in ("", "/tight"):
-        _wait_healthy(base + prefix)
+        wait_healthy(base + prefix)
     yield base
     serve.shutdown()
-
-
-def _wait_healthy(url, timeout_s=240):
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(url + "/health", timeout=10).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"{url} did not become healthy in {timeout_s} s")
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +45,6 @@ def expected():
         return [engine.generate(p, max_new_tokens=NEW_TOKENS)[0] for p in PROMPTS]
     finally:
         engine.shutdown()
-
-
-def sse_chunks(response):
-    chunks = []
-    for line in response.iter_lines(decode_unicode=True):
-        if line.startswith("data: "):
-            payload = line[len("data: "):]
-            if payload == "[DONE]":
-                chunks.append(payload)
-                break
-            chunks.append(json.loads(payload))
-    return chunks
 
 
 def call(base, index):

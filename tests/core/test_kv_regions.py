@@ -1,6 +1,6 @@
-"""Region handles: another process maps the same bytes; a tampered handle is refused."""
+"""Region handles: another process maps the same bytes; a tampered handle is refused; a region's
+memory goes with the last process that holds it, whichever way its owner ends."""
 
-import contextlib
 import dataclasses
 import hashlib
 import os
@@ -11,6 +11,7 @@ import msgpack
 import pytest
 import torch
 
+from tests.processes import processes_mapping
 from writescope.kv_format import KVFormat
 from writescope.kv_regions import HostRegion, RegionHandle
 
@@ -48,11 +49,11 @@ def test_second_process_reads_and_writes_the_same_bytes(kind):
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip() == written
         assert region.k[1, 0, 0, 0, 0].item() == 7.0
-        # The reader exited; the region is still there (the owner, not a reader, unlinks it).
+        # The reader exited; the region is still there (the owner holds it).
         HostRegion.attach(region.handle).close()
     finally:
         region.close()
-    with pytest.raises(ValueError, match="the region is gone"):
+    with pytest.raises(ValueError, match="the region is gone|not segment"):  # the descriptor may be reused
         HostRegion.attach(region.handle)
 
 
@@ -78,7 +79,11 @@ def tamper(handle, **changes):
     ({"num_blocks": 10_000}, "past the segment|overlaps the previous array"),
     ({"segment_bytes": 1 << 40}, "holds .* bytes, the handle says"),
     ({"block_table": [0, 3]}, r"block_table holds \[3\]"),
-    ({"shm_name": "writescope_no_such_segment"}, "the region is gone"),
+    ({"shm_name": "writescope_no_such_segment"}, "not segment 'writescope_no_such_segment'"),
+    ({"fd": 0}, "descriptor 0 of pid .* not segment"),
+    ({"fd": 1 << 20}, "the region is gone"),
+    ({"owner_pid": 0}, "owner_pid .* must be >= 1"),
+    ({"owner_pid": "me"}, "must be integers"),
     ({"shard": -1}, "must be >= 0"),
     ({"extra": 1}, "needs the fields"),
     ({"offsets": 5}, "offsets must be a list of int"),
@@ -112,24 +117,32 @@ def test_garbage_is_not_a_handle():
         RegionHandle.from_bytes(b"\xc1garbage")
 
 
-def test_segments_of_dead_creators_are_reaped_and_live_ones_kept():
-    from multiprocessing import shared_memory
+OWNER = """
+import sys, time
+from writescope.kv_format import KVFormat
+from writescope.kv_regions import HostRegion
+region = HostRegion.create("cpu_transfer", KVFormat(num_layers=2, num_kv_heads=2, head_dim_k=16, head_dim_v=8,
+                                                    block_size=4), 5)
+region.k.fill_(3.0)
+print(region.handle.to_bytes().hex(), flush=True)
+time.sleep(600)
+"""
 
-    from writescope.kv_regions import reap_orphaned_segments, segment_prefix
 
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    orphan = shared_memory.SharedMemory(name=f"{segment_prefix(dead.pid)}_test_orphan", create=True, size=64)
-    mine = shared_memory.SharedMemory(name=f"{segment_prefix()}_test_live", create=True, size=64)
+def test_a_killed_owners_region_lives_while_mapped_and_is_gone_with_its_last_user():
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
     try:
-        removed = reap_orphaned_segments()
-        assert orphan.name.lstrip("/") in removed
-        assert mine.name.lstrip("/") not in removed
-        assert os.path.exists(f"/dev/shm/{mine.name.lstrip('/')}")
-        assert not os.path.exists(f"/dev/shm/{orphan.name.lstrip('/')}")
+        handle = RegionHandle.from_bytes(bytes.fromhex(owner.stdout.readline()))
+        region = HostRegion.attach(handle)
+        assert processes_mapping(handle.shm_name) == sorted([owner.pid, os.getpid()])
+        owner.kill()
+        owner.wait()
+        assert region.k.float().eq(3.0).all()  # a worker's mapping outlives the owner's death
+        region.close()
+        del region
+        assert processes_mapping(handle.shm_name) == []  # nothing holds it: the kernel freed it
+        assert not [n for n in os.listdir("/dev/shm") if handle.shm_name in n]  # and no file ever existed
+        with pytest.raises(ValueError, match="the region is gone"):
+            HostRegion.attach(handle)
     finally:
-        orphan.close()
-        mine.close()
-        mine.unlink()
-        with contextlib.suppress(FileNotFoundError):
-            orphan.unlink()
+        owner.kill()
