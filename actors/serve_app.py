@@ -57,7 +57,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 APP_ARGS = ("model", "policy", "max_batch_size", "max_seq_len", "max_queue", "api_key_env", "dtype", "device",
             "emulated_nodes", "served_model_name", "max_body_bytes")  # OpenAIIngress's keyword arguments
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
-HEALTH_TIMEOUT_S = 5.0
+HEALTH_TIMEOUT_S = 2.0  # a GPU worker that Ray is restarting does not answer sooner (its calls wait)
 RETRY_AFTER_S = 5  # what a client is told to wait while the engine restarts
 UNAVAILABLE_MESSAGE = "the engine is restarting: retry the request"
 

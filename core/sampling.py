@@ -90,7 +90,8 @@ def _sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch
     """logits [rows, vocab] float32, finite or -inf; temperatures, top_ps, uniforms [rows] -> tokens [rows]."""
     shifted = logits - logits.max(dim=-1, keepdim=True).values  # <= 0, the top token at exactly 0
     probs = torch.softmax(shifted / temperatures[:, None], dim=-1)  # the top token keeps exp(0) = 1 in the sum
-    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    # stable: among equal probabilities the lowest id comes first, as argmax picks it
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of the more likely tokens
     keep = before < top_ps[:, None]
     keep[:, 0] = True  # the nucleus holds at least the most likely token, whatever top_p is

@@ -92,8 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         return _delegate(DELEGATED[argv[0]], argv[1:])
     if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHES:
         return _delegate(BENCHES[argv[1]], argv[2:])
-    args = build_parser().parse_args(argv)
-    return {"generate": _generate, "calibrate": _calibrate, "serve": _serve}[args.command](args)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return {"generate": _generate, "calibrate": _calibrate, "serve": _serve}[args.command](args)
+    except ValueError as error:  # bad input (a model, a prompt, a flag's value): said plainly, no traceback
+        parser.exit(2, f"writescope {args.command}: error: {error}\n")
 
 
 def _delegate(module: str, argv: list[str]) -> int:

@@ -17,6 +17,7 @@ from ray import serve  # noqa: E402
 from tests.actors.http import assert_no_internals, free_port, sse_chunks, wait_healthy  # noqa: E402
 from writescope.actors.serve_app import build_app, default_max_body_bytes  # noqa: E402
 from writescope.engine import Engine  # noqa: E402
+from writescope.tools.fuzz_http import TARGET_APP, fuzz  # noqa: E402
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny-qwen3-moe"
@@ -33,8 +34,10 @@ def server(ray_cluster):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": MODEL, "policy": "fixed_half", "max_batch_size": 12, "max_seq_len": MAX_SEQ_LEN,
                          "max_queue": 64}), name="poison", route_prefix="/", blocking=False)
+    serve.run(build_app(TARGET_APP), name="fuzz", route_prefix="/fuzz", blocking=False)  # short answers
     base = f"http://127.0.0.1:{port}"
     wait_healthy(base)
+    wait_healthy(base + "/fuzz")
     yield base
     serve.shutdown()
 
@@ -171,3 +174,11 @@ def test_error_bodies_are_openai_shaped_everywhere(server):
         error = response.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and error["code"] == response.status_code
         assert_no_internals(response.text)
+
+
+def test_a_fuzz_run_from_the_openapi_schema_gets_no_5xx(server):
+    report = fuzz(server + "/fuzz", examples=40, random_seed=1)
+    assert report["server_errors"] == []
+    completions = report["operations"]["POST /v1/completions positive"]
+    assert completions.get("2xx", 0) > 0 and completions.get("4xx", 0) > 0  # valid bodies were answered
+    assert report["operations"]["POST /v1/chat/completions negative"].get("4xx", 0) == 40

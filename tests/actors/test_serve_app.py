@@ -2,7 +2,11 @@
 and not) each answered with its own prompt's tokens; malformed bodies get 4xx with a message; a
 full queue gets 429 with Retry-After while the admitted requests finish; the API key is enforced."""
 
+import json
+import os
+import signal
 import threading
+import time
 
 import pytest
 
@@ -175,3 +179,36 @@ def test_the_serve_configs_args_build_the_app():
         application = yaml.safe_load(f)["applications"][0]
     assert application["import_path"] == "writescope.actors.serve_app:build_app"
     assert isinstance(build_app(application["args"]), serve.Application)
+
+
+def test_a_stream_cut_by_a_gpu_worker_loss_ends_with_an_error_event_and_done(server):
+    """Last in this file: it kills the GPU workers of this module's apps (every one this process's
+    cluster runs), and waits until they are back."""
+    from writescope.tools.soak import descendants_named
+
+    response = requests.post(f"{server}/v1/completions", stream=True, timeout=300, json={
+        "model": MODEL, "prompt": PROMPTS[5], "max_tokens": 1000, "temperature": 0, "stream": True})
+    assert response.status_code == 200
+    killed = []
+
+    def kill_after_first_chunk():
+        if not killed:
+            killed.extend(descendants_named("ray::GPUWorker"))
+            for pid in killed:
+                os.kill(pid, signal.SIGKILL)
+
+    chunks = sse_chunks(response, on_chunk=kill_after_first_chunk)
+    assert killed
+    assert chunks[-1] == "[DONE]", chunks[-3:]
+    error = chunks[-2]["error"]
+    assert error["code"] == 503 and "retry" in error["message"] and "Traceback" not in json.dumps(chunks[-2])
+    statuses = []
+    deadline = time.monotonic() + 240
+    while not statuses or statuses[-1] != 200:
+        assert time.monotonic() < deadline, f"/health never came back: {statuses[-5:]}"
+        statuses.append(requests.get(f"{server}/health", timeout=30).status_code)
+        time.sleep(0.2)
+    assert set(statuses) == {503, 200}  # unavailable while Ray restarts it (its calls wait: 2 s timeout), never 500
+    again = requests.post(f"{server}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0})
+    assert again.status_code == 200

@@ -63,3 +63,16 @@ def test_bad_flags_name_what_is_allowed(capsys):
     with pytest.raises(SystemExit):
         main(["frobnicate"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate", "--model", "tiny-mixtral", "--prompt", "a\udcffb"], "lone surrogate"),  # undecodable argv bytes
+    (["generate", "--model", "tiny-llama", "--prompt", "x"], "neither a checkpoint directory nor a preset"),
+    (["generate", "--model", "tiny-mixtral", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be"),
+])
+def test_bad_input_is_an_error_message_not_a_traceback(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
