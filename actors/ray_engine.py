@@ -119,16 +119,18 @@ class RayEngine:
                              socket_address=f"\0writescope-{engine_id}-cpu{i}", max_seqs=cache_config.max_seqs,
                              max_blocks=cache_config.compute_blocks_per_shard, num_q_heads=config.num_q_heads,
                              head_dim_qk=fmt.head_dim_k, head_dim_v=fmt.head_dim_v) for i in range(len(nodes))]
-        owner = RegionOwner.remote(cache_config, specs, engine_id, gpus > 0)
+        named = f"writescope-{engine_id}"  # every actor of the engine is named for it (ray.util.list_named_actors)
+        owner = RegionOwner.options(name=f"{named}-region-owner").remote(cache_config, specs, engine_id, gpus > 0)
         actors = [owner]
         try:
             compute_handles, transfer_handle = ray.get(owner.handles.remote())
             specs = ray.get(owner.channel_specs.remote())
-            cpu_workers = [CPUWorker.remote(node, compute_handles[i], specs[i]) for i, node in enumerate(nodes)]
-            scheduler = WriteScopeScheduler.remote()
+            cpu_workers = [CPUWorker.options(name=f"{named}-cpu-worker-{i}").remote(node, compute_handles[i], specs[i])
+                           for i, node in enumerate(nodes)]
+            scheduler = WriteScopeScheduler.options(name=f"{named}-scheduler").remote()
             actors += [*cpu_workers, scheduler]
             ray.get([w.check_health.remote() for w in cpu_workers])
-            gpu_worker = GPUWorker.options(num_gpus=gpus, num_cpus=0).remote(
+            gpu_worker = GPUWorker.options(name=f"{named}-gpu-worker", num_gpus=gpus, num_cpus=0).remote(
                 path_or_preset, {**options, "policy": policy, "device": device},
                 (compute_handles, transfer_handle), specs, scheduler, executor_options.get("max_waiting", 64))
             actors.append(gpu_worker)

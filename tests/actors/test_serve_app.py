@@ -182,8 +182,8 @@ def test_the_serve_configs_args_build_the_app():
 
 
 def test_a_stream_cut_by_a_gpu_worker_loss_ends_with_an_error_event_and_done(server):
-    """Last in this file: it kills the GPU workers of this module's apps (every one this process's
-    cluster runs), and waits until they are back."""
+    """Near the end of this file: it kills the GPU workers of this module's apps (every one this
+    process's cluster runs), and waits until they are back."""
     from writescope.tools.soak import descendants_named
 
     response = requests.post(f"{server}/v1/completions", stream=True, timeout=300, json={
@@ -208,7 +208,25 @@ def test_a_stream_cut_by_a_gpu_worker_loss_ends_with_an_error_event_and_done(ser
         assert time.monotonic() < deadline, f"/health never came back: {statuses[-5:]}"
         statuses.append(requests.get(f"{server}/health", timeout=30).status_code)
         time.sleep(0.2)
-    assert set(statuses) == {503, 200}  # unavailable while Ray restarts it (its calls wait: 2 s timeout), never 500
+    assert set(statuses) <= {503, 200}  # 503 while Ray restarts it (past a 2 s wait), never a 500
     again = requests.post(f"{server}/v1/completions", timeout=120, json={
         "model": MODEL, "prompt": PROMPTS[0], "max_tokens": NEW_TOKENS, "temperature": 0})
     assert again.status_code == 200
+
+
+def test_health_is_503_with_retry_after_when_the_engine_is_gone(server):
+    """Last in this file: the GPU workers of both apps are killed for good (as when a node is lost)."""
+    workers = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("-gpu-worker")]
+    assert len(workers) == 2  # the main app's engine and the tight one's, found by their names
+    for actor in workers:
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    for prefix in ("", "/tight"):
+        deadline = time.monotonic() + 60
+        while (health := requests.get(f"{server}{prefix}/health", timeout=30)).status_code == 200:
+            assert time.monotonic() < deadline, "ray.kill did not take effect"
+            time.sleep(0.2)
+        assert health.status_code == 503 and int(health.headers["Retry-After"]) >= 1
+        assert health.json()["error"]["code"] == 503
+        refused = requests.post(f"{server}{prefix}/v1/completions", timeout=60, headers={"Authorization":
+                                "Bearer sesame"}, json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert refused.status_code == 503 and "Traceback" not in refused.text
