@@ -49,7 +49,7 @@ UNAVAILABLE = "unavailable"  # the engine failed or restarts: the request did no
 class GenerationOutput:
     token_ids: list[int]  # the new tokens
     text: str
-    finish_reason: str  # "eos", "stop" or "length"
+    finish_reason: str  # "eos", "stop", "length", or "error" (see error)
     prompt_tokens: int
     logits: list[torch.Tensor] | None = None  # [vocab] float32 per new token, when asked for
     error: str | None = None  # why, when finish_reason is "error" (this request failed, the others did not)

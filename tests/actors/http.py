@@ -1,28 +1,7 @@
-"""What the HTTP tests share: a free loopback port, waiting for /health, reading server-sent events."""
+"""What the HTTP tests share: reading server-sent events, checking error bodies (free_port and
+wait_healthy come from writescope.tools.local_serve)."""
 
 import json
-import socket
-import time
-
-import requests
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(url: str, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(url + "/health", timeout=10).status_code == 200:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(1)
-    raise AssertionError(f"{url} did not become healthy in {timeout_s} s")
 
 
 def sse_chunks(response, on_chunk=None) -> list:

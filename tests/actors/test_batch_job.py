@@ -66,6 +66,8 @@ def head(tmp_path_factory):
     log = open(tmp_path_factory.mktemp("head") / "head.log", "w")  # noqa: SIM115
     process = subprocess.Popen([f"{BIN}/ray", "start", "--head", "--block", f"--port={free_port()}",
                                 "--dashboard-host=127.0.0.1", f"--dashboard-port={dashboard}", "--num-cpus=2",
+                                # not the default 52365, which a local Ray of this test session may hold
+                                f"--dashboard-agent-listen-port={free_port()}",
                                 f"--temp-dir={temp_dir}", "--disable-usage-stats"],
                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard}"
@@ -89,7 +91,13 @@ def submit(address, env, workdir, output, wait=True):
     command += [] if wait else ["--no-wait"]
     command += ["--", sys.executable, "-m", "writescope.actors.batch_job", *ARGS, "--input", "prompts.jsonl",
                 "--output", str(output), "--progress-every-s", "1"]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    deadline = time.monotonic() + 60
+    while True:
+        submitted = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        # A fresh head answers `ray job list` a little before its job agent takes submissions.
+        if "No available agent to submit job" not in submitted.stderr or time.monotonic() > deadline:
+            return submitted
+        time.sleep(2)
 
 
 def job_id(stdout: str) -> str:
@@ -127,6 +135,16 @@ def wait_for_results(output, count, timeout_s=300):
         time.sleep(0.2)
 
 
+def submit_and_wait_for_results(head, workdir, output, count=8) -> str:
+    """Submits the batch without waiting; returns its job id once the output holds count records
+    (the error records and some results)."""
+    address, env = head
+    started = submit(address, env, workdir, output, wait=False)
+    assert started.returncode == 0, started.stderr
+    wait_for_results(output, count)
+    return job_id(started.stdout)
+
+
 def assert_complete(output, expected):
     results = read_results(output)
     keys = [key(r) for r in results]
@@ -139,10 +157,7 @@ def test_a_stopped_batch_resumes_and_every_id_appears_once_with_the_same_tokens(
     address, env = head
     workdir, expected = reference
     output = tmp_path / "results.jsonl"
-    started = submit(address, env, workdir, output, wait=False)
-    assert started.returncode == 0, started.stderr
-    job = job_id(started.stdout)
-    wait_for_results(output, 8)  # the error records + some results
+    job = submit_and_wait_for_results(head, workdir, output)
     stopped = subprocess.run([f"{BIN}/ray", "job", "stop", "--address", address, job], env=env,
                              capture_output=True, text=True, timeout=120)
     assert stopped.returncode == 0, stopped.stderr
@@ -167,10 +182,7 @@ def test_a_gpu_worker_killed_mid_batch_costs_nothing(head, reference, tmp_path):
     address, env = head
     workdir, expected = reference
     output = tmp_path / "results.jsonl"
-    started = submit(address, env, workdir, output, wait=False)
-    assert started.returncode == 0, started.stderr
-    job = job_id(started.stdout)
-    wait_for_results(output, 8)
+    job = submit_and_wait_for_results(head, workdir, output)
     pids = gpu_worker_pids(address, env)
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)  # Ray restarts it; the requests in flight are retried on the new one

@@ -14,10 +14,11 @@ requests = pytest.importorskip("requests")
 
 from ray import serve  # noqa: E402
 
-from tests.actors.http import assert_no_internals, free_port, sse_chunks, wait_healthy  # noqa: E402
+from tests.actors.http import assert_no_internals, sse_chunks  # noqa: E402
 from writescope.actors.serve_app import build_app, default_max_body_bytes  # noqa: E402
 from writescope.engine import Engine  # noqa: E402
 from writescope.tools.fuzz_http import TARGET_APP, fuzz  # noqa: E402
+from writescope.tools.local_serve import free_port, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny-qwen3-moe"

@@ -15,9 +15,10 @@ requests = pytest.importorskip("requests")
 
 from ray import serve  # noqa: E402
 
-from tests.actors.http import free_port, sse_chunks, wait_healthy  # noqa: E402
+from tests.actors.http import sse_chunks  # noqa: E402
 from writescope.actors.serve_app import OpenAIIngress, build_app  # noqa: E402
 from writescope.engine import Engine  # noqa: E402
+from writescope.tools.local_serve import free_port, wait_healthy  # noqa: E402
 
 pytestmark = pytest.mark.ray
 MODEL = "tiny-qwen3-moe"
@@ -162,6 +163,11 @@ def test_the_api_key_is_required_when_set(server):
     right = requests.post(f"{server}/tight/v1/completions", json=body, timeout=60,
                           headers={"Authorization": "Bearer sesame"})
     assert right.status_code == 200
+    for path in ("/openapi.json", "/docs", "/v1/models", "/no/such/route"):  # every route but /health
+        assert requests.get(f"{server}/tight{path}", timeout=60).status_code == 401, path
+    assert requests.get(f"{server}/tight/openapi.json", timeout=60,
+                        headers={"Authorization": "Bearer sesame"}).json()["paths"]
+    assert requests.get(f"{server}/tight/health", timeout=60).status_code == 200  # probes send no key
 
 
 def test_unknown_app_args_are_refused():
