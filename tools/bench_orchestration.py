@@ -20,7 +20,6 @@ import contextlib
 import logging
 import os
 import statistics
-import tempfile
 import time
 
 import numpy as np
@@ -103,30 +102,28 @@ def channel_round_trip_ms(q, table, lens, repeats: int) -> float:
         def ready(self):
             return self.server.serving()
 
-    with tempfile.TemporaryDirectory() as socket_dir:
-        spec = ChannelSpec(shm_name=f"writescope_bench_{os.getpid()}", socket_path=os.path.join(socket_dir, "echo"),
-                           max_seqs=1, max_blocks=table.shape[1], num_q_heads=q.shape[1], head_dim_qk=q.shape[2],
-                           head_dim_v=128)
-        segment = create_segment(spec)
-        echo = ChannelEcho.remote(spec)
-        client = None
-        try:
-            ray.get(echo.ready.remote())
-            client = PartialClient(spec)
-            args = (0, torch.from_numpy(q), torch.from_numpy(table), torch.from_numpy(lens), 1.0)
-            times = []
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                client.send(*args)
-                client.receive()
-                times.append((time.perf_counter() - start) * 1e3)
-            return statistics.median(times[1:])
-        finally:
-            if client is not None:
-                client.close()
-            ray.kill(echo)
-            segment.close()
-            segment.unlink()
+    spec = ChannelSpec(shm_name="named below", owner_pid=0, fd=-1, socket_address=f"\0writescope-bench-{os.getpid()}",
+                       max_seqs=1, max_blocks=table.shape[1], num_q_heads=q.shape[1], head_dim_qk=q.shape[2],
+                       head_dim_v=128)
+    spec, segment = create_segment(spec, f"bench_{os.getpid()}")  # this process owns it, the echo actor maps it
+    echo = ChannelEcho.remote(spec)
+    client = None
+    try:
+        ray.get(echo.ready.remote())
+        client = PartialClient(spec)
+        args = (0, torch.from_numpy(q), torch.from_numpy(table), torch.from_numpy(lens), 1.0)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            client.send(*args)
+            client.receive()
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times[1:])
+    finally:
+        if client is not None:
+            client.close()
+        ray.kill(echo)
+        segment.close()
 
 
 def remove_graph_semaphores(pids) -> None:
