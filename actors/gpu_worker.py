@@ -174,6 +174,10 @@ class GPUWorker:
     async def stats(self) -> dict:
         return dict(self.engine.stats)
 
+    async def step_history(self) -> list[tuple[float, float]]:
+        """(step seconds, attention seconds) of the recent decode steps."""
+        return list(self.engine.step_history)
+
     async def shutdown(self) -> None:
         self.service.close()
         self.engine.shutdown()

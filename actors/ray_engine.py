@@ -21,13 +21,15 @@ import time
 
 import ray
 
+from writescope import ops
 from writescope.actors.channel import ChannelSpec, PartialClient
 from writescope.actors.cpu_worker import CPUWorker
 from writescope.actors.gpu_worker import GPUWorker
 from writescope.actors.region_owner import RegionOwner
 from writescope.actors.scheduler import WriteScopeScheduler
+from writescope.cpu_partial import CPUPartial
 from writescope.engine import SamplingParams, call_params, engine_cache_config, load_model_config, load_tokenizer
-from writescope.executor import LocalExecutor, merge_all, register_executor
+from writescope.executor import LocalExecutor, register_executor
 from writescope.prompts import PromptEncoder
 from writescope.service import QueueFullError
 from writescope.topology import NumaNode, topology
@@ -45,36 +47,40 @@ class WorkerLostError(RuntimeError):
                          f"It is being restarted and accepts new requests. Cause: {cause}")
 
 
+class ChannelCPUPartial(CPUPartial):
+    """The CPU side of the split computed by the CPU workers: one request per shard over its
+    channel, all sent before any is waited for, so the workers run in parallel."""
+
+    def __init__(self, specs: list[ChannelSpec], cache):
+        if cache.config.num_shards != len(specs):
+            raise ValueError(f"the cache has {cache.config.num_shards} cpu_compute shards for {len(specs)} "
+                             f"CPU workers: one shard per worker")
+        self.clients = [PartialClient(spec) for spec in specs]
+
+    def attend(self, layer: int, q, view, scale: float) -> ops.Partial:
+        for client, (table, lens) in zip(self.clients, view.compute, strict=True):
+            client.send(layer, q, table, lens, scale)
+        results = [client.receive() for client in self.clients]
+        out, lse = ops.merge([(out, lse) for out, lse, _ in results])
+        return ops.Partial(out, lse, view.compute_tokens, max(seconds for _, _, seconds in results))
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
 class ChannelExecutor(LocalExecutor):
-    """Inside the GPU worker: each layer's CPU partial from every CPU worker, over its channel."""
+    """Inside the GPU worker: the graph runs here, each layer's CPU partial on the CPU workers (on
+    the executor's thread, beside the device partial)."""
 
     name = "channel"
 
     def __init__(self, specs: list[ChannelSpec]):
-        super().__init__()
-        self.clients = [PartialClient(spec) for spec in specs]
+        super().__init__(concurrent=True)
+        self.specs = specs
 
-    def bind_cache(self, cache) -> None:
-        if cache.config.num_shards != len(self.clients):
-            raise ValueError(f"the cache has {cache.config.num_shards} cpu_compute shards for {len(self.clients)} "
-                             f"CPU workers: one shard per worker")
-        super().bind_cache(cache)
-
-    def cpu_partial(self, layer: int, q, seq_ids, scale: float):
-        """q [num_seqs, num_q_heads, head_dim_qk] on the CPU -> (out, lse, tokens, slowest worker's seconds)."""
-        tokens = 0
-        for shard, client in enumerate(self.clients):  # all requests out first: the workers run in parallel
-            source = self.cache.compute_source(layer, seq_ids, shard)
-            tokens += int(source.seq_lens.sum())
-            client.send(layer, q, source.block_table, source.seq_lens, scale)
-        results = [client.receive() for client in self.clients]
-        out, lse = merge_all([(out, lse) for out, lse, _ in results])
-        return out, lse, tokens, max(seconds for _, _, seconds in results)
-
-    def shutdown(self) -> None:
-        for client in self.clients:
-            client.close()
-        super().shutdown()
+    def make_cpu_partial(self, cache) -> CPUPartial:
+        return ChannelCPUPartial(self.specs, cache)
 
 
 class RayEngine:
@@ -250,6 +256,11 @@ class RayEngine:
     @property
     def stats(self) -> dict:
         return ray.get(self.gpu_worker.stats.remote())
+
+    @property
+    def step_history(self) -> list[tuple[float, float]]:
+        """(step seconds, attention seconds) of the GPU worker's recent decode steps."""
+        return ray.get(self.gpu_worker.step_history.remote())
 
     def scheduler_state(self) -> dict:
         return ray.get(self.scheduler.state.remote())

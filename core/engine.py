@@ -13,6 +13,7 @@ token, or max_new_tokens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -25,7 +26,7 @@ import torch
 
 from writescope import ops
 from writescope.block_allocator import CapacityError
-from writescope.executor import check_executor, engine_factory, make_executor, merge_all
+from writescope.executor import check_executor, engine_factory, make_executor
 from writescope.graph import DecodeGraph, build_decode_graph
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.models.checkpoint import load_config, load_weights
@@ -101,7 +102,35 @@ class _Step:
     requests: list[_Request]
     seq_ids: list
     tokens: torch.Tensor  # [batch]
-    positions: torch.Tensor  # [batch]
+    rope: object  # the rope tables of the batch's positions, shared by every layer
+    view: object  # the cache's StepView: every layer's tables
+    # per layer, what its two sides cost: (cpu tokens, cpu kernel s, cpu wall s, device tokens, device clock)
+    layers: list = field(default_factory=list)
+
+
+class _DeviceClock:
+    """Times the device path of a layer without a host sync: CUDA events, read once the step's
+    logits have reached the host; wall time on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, started):
+        if not self.cuda:
+            return time.perf_counter() - started
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return started, event
+
+    def seconds(self, stopped) -> float:
+        return stopped if not self.cuda else stopped[0].elapsed_time(stopped[1]) / 1e3
 
 
 def _torch_dtype(dtype) -> torch.dtype | None:
@@ -122,20 +151,28 @@ class Engine:
         self.policy = policy
         self.cache = cache
         self.executor = executor
+        self.cpu_partial = executor.make_cpu_partial(cache)
+        self._clock = _DeviceClock(model.device)
+        self.step_history: deque = deque(maxlen=4096)  # (step seconds, attention seconds) of recent steps
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.prompts = PromptEncoder(tokenizer, self.config.vocab_size, max_seq_len)
         self._graphs: dict[int, DecodeGraph] = {}
         self._device_backend = "triton" if model.device.type == "cuda" else "cpu"
-        self.stats = {"steps": 0, "decode_s": 0.0, "tokens": 0}
-        self.prefill_threads: int | None = None  # torch threads for prefill (None: leave torch's setting)
+        self.stats = {"steps": 0, "decode_s": 0.0, "tokens": 0, "attention_s": 0.0}
+        # torch's intra-op threads (None: leave torch's setting). On the CPU the C++ kernel's pool
+        # runs the attention on every CPU; a decode step's small matmuls gain nothing from more
+        # torch threads, whose OpenMP workers would spin against that pool between ops (measured:
+        # 4 x 32K, 27.5 ms a step with 2, 18.5 with 1). A prefill's large matmuls want them all.
+        self.decode_threads: int | None = 1 if model.device.type == "cpu" else None
+        self.prefill_threads: int | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(cls, path_or_preset: str, *, policy: str | Policy = "writescope", executor: str = "local",
                         dtype=None, window_tokens: int = 256, max_batch_size: int = 8, max_seq_len: int = 4096,
                         block_size: int = 16, device: str = "cpu", hot_experts: int | None = None,
-                        num_shards: int | None = None, pingpong_blocks: int = 256, seed: int = 0,
+                        num_shards: int | None = None, pingpong_blocks: int | None = None, seed: int = 0,
                         executor_options: dict | None = None, region_handles=None):
         """A preset name (PRESETS) or a local Hugging Face checkpoint directory. policy: a name from
         POLICY_NAMES or a Policy object. num_shards: cpu_compute shards (default: 1 for the local
@@ -158,22 +195,24 @@ class Engine:
         cache_config = engine_cache_config(config, torch_dtype, block_size=block_size, max_batch_size=max_batch_size,
                                            max_seq_len=max_seq_len, num_shards=num_shards or 1,
                                            window_tokens=window_tokens, pingpong_blocks=pingpong_blocks, device=device)
+        if executor == "local":  # a GPU beside the CPU: the two sides of the split run at once
+            executor_options.setdefault("concurrent", torch.device(device).type != "cpu")
         executor_obj = make_executor(executor, **executor_options)
         if not isinstance(policy, Policy):
             model_fit = calibrated_model(config, cache_config.format, device) if policy == "writescope" else None
             policy = make_policy(policy, model_fit)
         cache = InplaceKVCache(cache_config, policy, region_handles=region_handles)
         try:
-            executor_obj.bind_cache(cache)
-        except BaseException:
+            return cls(model, tokenizer, policy=policy, cache=cache, executor=executor_obj,
+                       max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        except BaseException:  # the executor's CPU partial could not be made (a CPU worker's channel, say)
             cache.close()  # the shared-memory regions must not outlive a failed construction
             executor_obj.shutdown()
             raise
-        return cls(model, tokenizer, policy=policy, cache=cache, executor=executor_obj,
-                   max_batch_size=max_batch_size, max_seq_len=max_seq_len)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.cpu_partial.close()
         self.cache.close()
 
     # ------------------------------------------------------------------ generation
@@ -343,24 +382,19 @@ class Engine:
 
     # ------------------------------------------------------------------ prefill
     def _prefill(self, request: _Request) -> int:
-        if self.prefill_threads is None:
+        with _torch_threads(self.prefill_threads):
             return self._prefill_layers(request)
-        decode_threads = torch.get_num_threads()  # process-wide: only the engine's thread uses torch
-        torch.set_num_threads(self.prefill_threads)
-        try:
-            return self._prefill_layers(request)
-        finally:
-            torch.set_num_threads(decode_threads)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _prefill_layers(self, request: _Request) -> int:
         """Full causal attention over the prompt, each layer's KV written straight to its regions."""
         model, device = self.model, self.model.device
         ids = torch.tensor(request.prompt, device=device)
         positions = torch.arange(len(request.prompt), device=device)
         hidden = model.embed(ids)
+        rope = model.rope(positions)
         for layer in range(self.config.num_layers):
-            q, stored = model.attention_inputs(layer, hidden, positions)
+            q, stored = model.attention_inputs(layer, hidden, rope)
             self.cache.write_prefill(request.seq_id, layer, *[s.transpose(0, 1) for s in stored])
             v = stored[0][..., : self.config.decode_head_dim_v] if self.config.is_mla else stored[1]
             attention = causal_attention(q, stored[0], v, self.config.attention_scale)
@@ -368,24 +402,36 @@ class Engine:
         return self._sample([request], model.logits(hidden[-1:]))[0]
 
     # ------------------------------------------------------------------ decode
-    @torch.no_grad()
+    @torch.inference_mode()
     def _decode_step(self, running: list[_Request]) -> list[int]:
         began = time.perf_counter()
         seq_ids = [r.seq_id for r in running]
         device = self.model.device
+        view = self.cache.step_view(seq_ids)  # the step's tables, once, for every layer
+        positions = torch.tensor([self.cache.seqs[s].num_tokens for s in seq_ids], device=device)
         step = _Step(running, seq_ids, torch.tensor([r.tokens[-1] for r in running], device=device),
-                     torch.tensor([self.cache.seqs[s].num_tokens for s in seq_ids], device=device))
+                     self.model.rope(positions), view)
         if len(running) not in self._graphs:
             self._graphs[len(running)] = build_decode_graph(self.config.num_layers, len(running))
-        graph = self._graphs[len(running)]
-        values = self.executor.run(graph, self._bindings(), step)
-        self.policy.end_step()
-        logits = values["logits"]
-        tokens = self._sample(running, logits)
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(running)
-        self.stats["decode_s"] += time.perf_counter() - began
+        with _torch_threads(self.decode_threads):
+            values = self.executor.run(self._graphs[len(running)], self._bindings(), step)
+        tokens = self._sample(running, values["logits"])  # the host reads the logits: the device work is done
+        self._account(step, time.perf_counter() - began)
         return tokens
+
+    def _account(self, step: _Step, step_s: float) -> None:
+        """Feeds the policy each layer's measured costs (its one feed) and keeps the step's times."""
+        attention_s = 0.0
+        for cpu_tokens, cpu_s, cpu_wall_s, device_tokens, device_clock in step.layers:
+            device_s = self._clock.seconds(device_clock)
+            self.policy.observe_step(cpu_tokens, cpu_s, device_tokens, device_s)
+            attention_s += max(cpu_wall_s, device_s) if self.executor.concurrent else cpu_wall_s + device_s
+        self.policy.end_step()
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(step.requests)
+        self.stats["decode_s"] += step_s
+        self.stats["attention_s"] += attention_s
+        self.step_history.append((step_s, attention_s))
 
     def _bindings(self):
         return {"embed": self._embed, "transfer": self._transfer, "qkv": self._qkv, "window_write": self._window_write,
@@ -396,48 +442,47 @@ class Engine:
         return self.model.embed(step.tokens)
 
     def _transfer(self, step, node, _after):
-        self.cache.start_transfer(node.layer, step.seq_ids)
+        self.cache.start_transfer(node.layer, step.view)
 
     def _qkv(self, step, node, hidden):
-        return self.model.attention_inputs(node.layer, hidden, step.positions)
+        return self.model.attention_inputs(node.layer, hidden, step.rope)
 
     def _window_write(self, step, node, qkv):
         _, stored = qkv
-        self.cache.append_batch(step.seq_ids, node.layer, stored)
+        self.cache.write_window(node.layer, step.view, stored)
 
     def _cpu_partial(self, step, node, qkv):
-        """Partial over cpu_compute, on the executor's CPU side: (out, lse, tokens, seconds), or None."""
+        """The split's CPU side over cpu_compute: (its Partial, wall seconds), or None when the
+        policy ships cpu_compute to the device instead (monolithic)."""
         if self.policy.ships_cpu_compute:
             return None
-        return self.executor.cpu_partial(node.layer, qkv[0].to("cpu"), step.seq_ids, self.config.attention_scale)
+        began = time.perf_counter()
+        partial = self.cpu_partial.attend(node.layer, qkv[0].to("cpu"), step.view, self.config.attention_scale)
+        return partial, time.perf_counter() - began
 
     def _device_partial(self, step, node, qkv, _written, _transfer_started):
-        """Partial over the window (with this step's token), the ping-pong chunks of cpu_transfer and,
-        for the monolithic policy, the cpu_compute KV shipped whole."""
-        q = qkv[0]
-        partials = [ops.multi_source_partial_attention(
-            q, [self.cache.window_source(node.layer, step.seq_ids, pending_tokens=1)],
-            scale=self.config.attention_scale, backend=self._device_backend)]
-        for chunk in self.cache.transfer_chunks(node.layer, step.seq_ids):
-            partials.append(ops.multi_source_partial_attention(q, [chunk], scale=self.config.attention_scale,
-                                                               backend=self._device_backend))
-        transfer_tokens, transfer_s = self.cache.last_transfer_tokens, self.cache.last_transfer_s
+        """The split's device side: the window (with this step's token) and cpu_transfer, one call per
+        group of sources (one in all unless the ping-pong buffer needs several fills), plus, for the
+        monolithic policy, the cpu_compute KV shipped whole."""
+        started = self._clock.start()
+        q, layer, scale = qkv[0], node.layer, self.config.attention_scale
+        partials = [ops.attend(q, group, scale, self._device_backend)
+                    for group in self.cache.device_source_groups(layer, step.view)]
         if self.policy.ships_cpu_compute:
-            for shard in range(self.cache.config.num_shards):
-                source = self.cache.shipped_compute_source(node.layer, step.seq_ids, shard)
-                partials.append(ops.multi_source_partial_attention(q, [source], scale=self.config.attention_scale,
-                                                                   backend=self._device_backend))
-        out, lse = merge_all(partials)
-        return out, lse, transfer_tokens, transfer_s
+            partials.append(ops.attend(q, self.cache.shipped_compute_sources(layer, step.view), scale,
+                                       self._device_backend))
+        out, lse = ops.merge(partials)
+        return ops.Partial(out, lse, step.view.transfer_tokens, self._clock.stop(started))
 
     def _merge(self, step, node, cpu, device):
-        out, lse, transfer_tokens, transfer_s = device
         if cpu is None:
-            return out
-        cpu_out, cpu_lse, cpu_tokens, cpu_s = cpu
-        self.policy.observe_step(cpu_tokens, cpu_s, transfer_tokens, transfer_s)
-        merged, _ = merge_all([(cpu_out.to(out.device), cpu_lse.to(out.device)), (out, lse)])
-        return merged
+            step.layers.append((0, 0.0, 0.0, device.tokens, device.seconds))
+            return device.out
+        partial, wall_s = cpu
+        step.layers.append((partial.tokens, partial.seconds, wall_s, device.tokens, device.seconds))
+        out, _ = ops.merge([(partial.out.to(device.out.device), partial.lse.to(device.out.device)),
+                            (device.out, device.lse)])
+        return out
 
     def _out_proj(self, step, node, attention, hidden):
         return self.model.attention_output(node.layer, attention, hidden)
@@ -460,6 +505,21 @@ class Engine:
                 request.logits.append(row.detach().float().cpu())
         return sample(logits, [r.temperature for r in requests], [r.top_p for r in requests],
                       [r.generator for r in requests])
+
+
+@contextlib.contextmanager
+def _torch_threads(count: int | None):
+    """torch's intra-op threads set to count for the block (process-wide: the engine's thread is
+    the one that runs torch), then restored; None leaves them as they are."""
+    if count is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _load_tokenizer(path: str):
@@ -531,14 +591,24 @@ def kv_format(config: ModelConfig, torch_dtype, block_size: int):
     return config.kv_format(kv_dtype, block_size)
 
 
+# One ping-pong buffer's default ceiling: it then holds a whole layer's cpu_transfer blocks of the
+# batch (one fill, one device partial per layer) unless they pass this many bytes.
+PINGPONG_BUFFER_BYTES = 512 * 2**20
+
+
 def engine_cache_config(config: ModelConfig, torch_dtype, *, block_size: int, max_batch_size: int, max_seq_len: int,
-                        num_shards: int, window_tokens: int, pingpong_blocks: int, device: str) -> CacheConfig:
-    """Regions sized so that max_batch_size sequences of max_seq_len fit under any policy."""
+                        num_shards: int, window_tokens: int, pingpong_blocks: int | None, device: str) -> CacheConfig:
+    """Regions sized so that max_batch_size sequences of max_seq_len fit under any policy; ping-pong
+    buffers of pingpong_blocks blocks (None: every transfer block of a layer, up to PINGPONG_BUFFER_BYTES)."""
     fmt = kv_format(config, torch_dtype, block_size)
-    blocks = max_batch_size * -(-max_seq_len // block_size)
+    blocks_per_seq = -(-max_seq_len // block_size)
+    blocks = max_batch_size * blocks_per_seq
+    if pingpong_blocks is None:
+        pingpong_blocks = PINGPONG_BUFFER_BYTES // (fmt.nbytes("gpu_pingpong", 1) // 2)
     return CacheConfig(fmt, compute_blocks_per_shard=-(-blocks // num_shards), transfer_blocks=blocks,
-                       max_seqs=max_batch_size, pingpong_blocks=min(pingpong_blocks, max(blocks, 1)),
-                       num_shards=num_shards, window_tokens=window_tokens, device=device)
+                       max_seqs=max_batch_size, pingpong_blocks=max(1, min(pingpong_blocks, blocks)),
+                       num_shards=num_shards, window_tokens=window_tokens, device=device,
+                       max_blocks_per_seq=blocks_per_seq)
 
 
 def calibrated_model(config: ModelConfig, fmt, device: str):

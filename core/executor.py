@@ -1,53 +1,41 @@
-"""Executors bind a DecodeGraph's nodes to callables. `local`: one process, the CPU partials on a
-worker thread (the C++ kernel releases the GIL and runs on its own pool) concurrently with the
-device nodes that do not depend on them."""
+"""Executors bind a DecodeGraph's nodes to callables. `local`: one process; its "cpu" nodes run
+on a worker thread beside the device nodes when the two sides are different hardware (a GPU
+beside the CPU: `concurrent`), else inline in graph order (the device is the CPU: both sides share
+the cores, and a thread would only add a hand-off and a lock wait to the CPU side's time)."""
 
 from __future__ import annotations
 
 import importlib
-import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-import torch
-
-from writescope import ops
+from writescope.cpu_partial import CPUPartial, LocalCPUPartial
 from writescope.graph import DecodeGraph, Node
 
 Binding = Callable[..., Any]  # (step, node, *input values) -> value
 
 
 class LocalExecutor:
-    """CPU partials in this process, on the C++ kernel's own pool."""
+    """Runs the graph in this process; its CPU partial is the C++ kernel over the cache's shards."""
 
     name = "local"
 
-    def __init__(self):
-        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writescope-cpu-partial")
-        self.cache = None
+    def __init__(self, concurrent: bool = False):
+        self.concurrent = concurrent
+        self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writescope-cpu-partial") \
+            if concurrent else None
 
-    def bind_cache(self, cache) -> None:
-        self.cache = cache
-
-    def cpu_partial(self, layer: int, q, seq_ids, scale: float):
-        """Partial over the batch's cpu_compute tokens, every shard: (out, lse, tokens, kernel seconds)."""
-        parts, tokens, seconds = [], 0, 0.0
-        for shard in range(self.cache.config.num_shards):
-            source = self.cache.compute_source(layer, seq_ids, shard)
-            began = time.perf_counter()
-            parts.append(ops.multi_source_partial_attention(q, [source], scale=scale, backend="cpu"))
-            seconds += time.perf_counter() - began
-            tokens += int(source.seq_lens.sum())
-        out, lse = merge_all(parts)
-        return out, lse, tokens, seconds
+    def make_cpu_partial(self, cache) -> CPUPartial:
+        """The CPU side of the split over this cache, as this executor computes it."""
+        return LocalCPUPartial(cache)
 
     def run(self, graph: DecodeGraph, bindings: dict[str, Binding], step: Any) -> dict[str, Any]:
         values: dict[str, Any] = {}
         try:
             for node in graph.nodes:
                 inputs = [_resolve(values[name]) for name in node.inputs]
-                if node.place == "cpu":
+                if node.place == "cpu" and self._cpu is not None:
                     values[node.name] = self._cpu.submit(bindings[node.op], step, node, *inputs)
                 else:
                     values[node.name] = bindings[node.op](step, node, *inputs)
@@ -56,18 +44,12 @@ class LocalExecutor:
         return {name: _resolve(value) for name, value in values.items()}
 
     def shutdown(self) -> None:
-        self._cpu.shutdown(wait=True)
+        if self._cpu is not None:
+            self._cpu.shutdown(wait=True)
 
 
 def _resolve(value):
     return value.result() if isinstance(value, Future) else value
-
-
-def merge_all(partials):
-    """One partial from several (out, lse) partials of disjoint parts."""
-    if len(partials) == 1:
-        return partials[0]
-    return ops.merge_partials(torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]))
 
 
 EXECUTORS = ("local", "ray")
@@ -108,5 +90,4 @@ def make_executor(name: str, **options):
     return _FACTORIES[name](**options)
 
 
-__all__ = ["LocalExecutor", "Node", "check_executor", "engine_factory", "make_executor", "merge_all",
-           "register_executor"]
+__all__ = ["LocalExecutor", "Node", "check_executor", "engine_factory", "make_executor", "register_executor"]

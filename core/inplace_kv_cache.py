@@ -3,7 +3,7 @@
 Four regions (DESIGN.md section 2):
     cpu_compute   host shared memory, head-major blocks, one shard per NUMA node; the CPU attends it
     cpu_transfer  host shared memory (pinned where CUDA is present), block-major; streamed to the
-                  device each step and attended there
+                  device each step and attended there (attended in place when the device is the CPU)
     gpu_pingpong  two fixed buffers on the device, refilled per layer from cpu_transfer
     gpu_window    the newest window_tokens of each sequence, on the device
 
@@ -11,20 +11,26 @@ Prefill writes each layer's full blocks straight into their final region and the
 window; decode appends to the window; a full window is flushed as sealed blocks to cpu_compute or
 cpu_transfer, as the policy decides at that moment. Nothing moves after placement, and the
 device memory of the cache does not depend on sequence length.
+
+A decode step reads through a `StepView` made once per step (`step_view`): the batch's block
+tables and lengths of every region, gathered from tables kept as tensors (`BlockTables`) and the
+step's ping-pong plan. Every layer of the step reads the same view; nothing in it loops over
+blocks or tokens in Python.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from writescope.block_allocator import BlockAllocator, CapacityError
+from writescope.block_tables import BlockTables
 from writescope.kv_format import KVFormat
 from writescope.kv_regions import HostRegion
 from writescope.ops import KVSource
+from writescope.pingpong import PingPong, TransferChunk, plan_chunks
 from writescope.policies import Policy, Region
 
 
@@ -38,12 +44,19 @@ class CacheConfig:
     num_shards: int = 1
     window_tokens: int = 256
     device: str = "cpu"
+    max_blocks_per_seq: int | None = None  # None: as many as a region holds
+    # None: attend cpu_transfer where it lies when the device is the CPU (a copy there buys nothing)
+    transfer_in_place: bool | None = None
 
     def __post_init__(self):
+        if self.max_blocks_per_seq is None:
+            object.__setattr__(self, "max_blocks_per_seq", max(self.compute_blocks_per_shard, self.transfer_blocks, 1))
+        if self.transfer_in_place is None:
+            object.__setattr__(self, "transfer_in_place", torch.device(self.device).type == "cpu")
         for name in ("compute_blocks_per_shard", "transfer_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CacheConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_seqs", "pingpong_blocks", "num_shards", "window_tokens"):
+        for name in ("max_seqs", "pingpong_blocks", "num_shards", "window_tokens", "max_blocks_per_seq"):
             if getattr(self, name) < 1:
                 raise ValueError(f"CacheConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.window_tokens % self.format.block_size:
@@ -64,12 +77,29 @@ class SequenceState:
     prompt_len: int
     max_tokens: int  # prompt + max new tokens: what admission reserved for
     num_tokens: int  # committed tokens
-    blocks: list[Placement] = field(default_factory=list)  # logical order
-    # the same blocks by (region, shard), in logical order: what block tables are built from
-    region_blocks: dict[tuple[Region, int], list[int]] = field(default_factory=dict)
+    blocks: list[Placement] = field(default_factory=list)  # logical order (the tables hold them by region)
     window_len: int = 0
     prefilled_layers: set[int] = field(default_factory=set)
     reserved_blocks: int = 0  # reserved at admission, not yet placed
+
+
+@dataclass(frozen=True)
+class StepView:
+    """What every layer of one decode step reads, made once per step by `InplaceKVCache.step_view`.
+    Tables are int32 block tables [batch, width] with seq_lens [batch] int32 in tokens."""
+
+    seq_ids: tuple
+    key: int  # distinct per step: a prefetched chunk belongs to this view only
+    slots: torch.Tensor  # [batch] int64, on the host
+    window_slots: torch.Tensor  # [batch] int64, on the device: each sequence's window row
+    window_positions: torch.Tensor  # [batch] int64, on the device: where this step's token goes
+    window_lens: torch.Tensor  # [batch] int32, on the device: window tokens with this step's
+    window_table: torch.Tensor  # [batch, 1] int32, on the device: the window as a one-block table
+    compute: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per cpu_compute shard, on the host
+    compute_tokens: int
+    transfer: tuple[torch.Tensor, torch.Tensor]  # cpu_transfer, on the host
+    transfer_tokens: int
+    chunks: tuple[TransferChunk, ...]  # the ping-pong plan (empty when cpu_transfer is attended in place)
 
 
 class InplaceKVCache:
@@ -95,18 +125,16 @@ class InplaceKVCache:
             self.compute, self.transfer = _attach_regions(config, *region_handles)
         self.compute_alloc = [BlockAllocator(config.compute_blocks_per_shard) for _ in range(config.num_shards)]
         self.transfer_alloc = BlockAllocator(config.transfer_blocks)
-        device = torch.device(config.device)
+        self.device = torch.device(config.device)
         window_shapes = [fmt.shape("gpu_window", config.max_seqs, d, window_tokens=config.window_tokens)
                          for d in fmt.stored_dims]
-        self.window = [torch.zeros(s, dtype=fmt.torch_dtype, device=device) for s in window_shapes]
-        self.pingpong = [torch.zeros(fmt.shape("gpu_pingpong", config.pingpong_blocks, d), dtype=fmt.torch_dtype,
-                                     device=device) for d in fmt.stored_dims]
+        self.window = [torch.zeros(s, dtype=fmt.torch_dtype, device=self.device) for s in window_shapes]
+        self.pingpong = None if config.transfer_in_place else PingPong(fmt, config.pingpong_blocks, self.device)
+        self.tables = BlockTables([*self._compute_keys(), _TRANSFER], config.max_seqs, config.max_blocks_per_seq,
+                                  fmt.block_size)
         self.seqs: dict[object, SequenceState] = {}
         self._free_slots = list(range(config.max_seqs - 1, -1, -1))
-        self.last_transfer_s = 0.0
-        self.last_transfer_tokens = 0
-        self._pending: dict[int, tuple | None] = {}  # ping-pong buffer -> a started first chunk
-        self._copy_stream = None
+        self._steps = 0
 
     # ---------------------------------------------------------------- capacity and lifecycle
     @property
@@ -147,11 +175,13 @@ class InplaceKVCache:
         for shard, alloc in enumerate(self.compute_alloc):
             alloc.free([p.block for p in state.blocks if p.region is Region.CPU_COMPUTE and p.shard == shard])
         self.transfer_alloc.free([p.block for p in state.blocks if p.region is Region.CPU_TRANSFER])
+        self.tables.clear(state.slot)
         self._free_slots.append(state.slot)
         del self.seqs[seq_id]
 
     def close(self) -> None:
-        self._pending.clear()
+        if self.pingpong is not None:
+            self.pingpong.clear()
         for region in [*self.compute, self.transfer]:
             region.close()
 
@@ -170,13 +200,11 @@ class InplaceKVCache:
         if layer in state.prefilled_layers:
             raise ValueError(f"layer {layer} of sequence {seq_id!r} is already prefilled")
         arrays = self._stored(k, v, state.prompt_len)
-        bs = self.block_size
-        for index, placement in enumerate(state.blocks):
-            block_rows = [a[:, index * bs:(index + 1) * bs] for a in arrays]
-            self._write_block(placement, layer, block_rows)
-        start = len(state.blocks) * bs
+        placed = len(state.blocks) * self.block_size
+        blocks = [a[:, :placed].unflatten(1, (len(state.blocks), self.block_size)) for a in arrays]
+        self._write_blocks(state.blocks, [layer], [b[None] for b in blocks])  # [1, kv, n, bs, dim] each
         for window, array in zip(self.window, arrays, strict=True):
-            window[layer, state.slot, :, : state.window_len] = array[:, start:].to(window.device)
+            window[layer, state.slot, :, : state.window_len] = array[:, placed:].to(window.device)
         state.prefilled_layers.add(layer)
 
     def append(self, seq_id, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
@@ -184,37 +212,29 @@ class InplaceKVCache:
         the window. `commit` advances the sequence once every layer has its token."""
         state = self._state(seq_id)
         self._check_layer(layer)
-        if len(state.prefilled_layers) != self.config.format.num_layers:
-            raise ValueError(f"sequence {seq_id!r} must be prefilled in every layer before decoding")
-        if state.num_tokens >= state.max_tokens:
-            raise CapacityError(f"sequence {seq_id!r} reached its admitted {state.max_tokens} tokens")
+        self._check_decodable(seq_id, state)
         arrays = self._stored(k[:, None], None if v is None else v[:, None], 1)
         for window, array in zip(self.window, arrays, strict=True):
             window[layer, state.slot, :, state.window_len] = array[:, 0].to(window.device)
 
     def append_batch(self, seq_ids, layer: int, stored: list[torch.Tensor]) -> None:
-        """One layer's new token of every sequence in one write per stored array: stored holds
-        k [batch, num_kv_heads, head_dim_k] (and v [batch, num_kv_heads, head_dim_v] unless V is in K)."""
+        """One layer's new token of every sequence (stored: k [batch, num_kv_heads, head_dim_k], and v
+        [batch, num_kv_heads, head_dim_v] unless V is in K); outside a decode step's view."""
         self._check_layer(layer)
+        self.write_window(layer, self.step_view(seq_ids), stored)
+
+    def write_window(self, layer: int, view: StepView, stored: list[torch.Tensor]) -> None:
+        """A decode step's new token of one layer, for the view's batch, one write per stored array."""
         fmt = self.config.format
-        states = [self._state(s) for s in seq_ids]
-        for seq_id, state in zip(seq_ids, states, strict=True):
-            if len(state.prefilled_layers) != fmt.num_layers:
-                raise ValueError(f"sequence {seq_id!r} must be prefilled in every layer before decoding")
-            if state.num_tokens >= state.max_tokens:
-                raise CapacityError(f"sequence {seq_id!r} reached its admitted {state.max_tokens} tokens")
         if len(stored) != len(fmt.stored_dims):
             raise ValueError(f"expected {len(fmt.stored_dims)} stored arrays (K{'' if fmt.v_in_k else ', V'})")
         for array, dim in zip(stored, fmt.stored_dims, strict=True):
-            if tuple(array.shape) != (len(seq_ids), fmt.num_kv_heads, dim) or array.dtype != fmt.torch_dtype:
+            if tuple(array.shape) != (len(view.seq_ids), fmt.num_kv_heads, dim) or array.dtype != fmt.torch_dtype:
                 raise ValueError(f"stored arrays must be [batch, num_kv_heads, head_dim] = "
-                                 f"{[len(seq_ids), fmt.num_kv_heads, dim]} of {fmt.dtype}, got "
+                                 f"{[len(view.seq_ids), fmt.num_kv_heads, dim]} of {fmt.dtype}, got "
                                  f"{list(array.shape)} of {array.dtype}")
-        device = self.window[0].device
-        slots = torch.tensor([s.slot for s in states], device=device)
-        positions = torch.tensor([s.window_len for s in states], device=device)
         for window, array in zip(self.window, stored, strict=True):
-            window[layer, slots, :, positions] = array.to(device)
+            window[layer, view.window_slots, :, view.window_positions] = array.to(window.device)
 
     def commit(self, seq_ids) -> None:
         """Each sequence gained one token in every layer; full windows flush to the host."""
@@ -226,29 +246,33 @@ class InplaceKVCache:
                 self._flush_window(seq_id)
 
     def _flush_window(self, seq_id) -> None:
+        """The full window's sealed blocks of every layer, written to their regions (D2H, one copy
+        per region and stored array)."""
         state = self._state(seq_id)
         count = self.config.window_tokens // self.block_size
         first = len(state.blocks)
         self._place(seq_id, count)
-        bs = self.block_size
-        for layer in range(self.config.format.num_layers):
-            for i, placement in enumerate(state.blocks[first:]):
-                rows = [w[layer, state.slot, :, i * bs:(i + 1) * bs] for w in self.window]
-                self._write_block(placement, layer, rows)  # D2H of sealed blocks, one copy
+        layers = list(range(self.config.format.num_layers))
+        rows = [w[:, state.slot].unflatten(2, (count, self.block_size)) for w in self.window]  # [L, kv, n, bs, dim]
+        self._write_blocks(state.blocks[first:], layers, rows)
         state.window_len = 0
 
     def _place(self, seq_id, count: int) -> None:
-        """Chooses and allocates the regions of a sequence's next `count` sealed blocks."""
+        """Chooses and allocates the regions of a sequence's next `count` sealed blocks, and appends
+        them to its block tables (and its transfer spans)."""
         if count == 0:
             return
         state = self._state(seq_id)
         bs = self.block_size
         cpu_tokens = sum(bs for p in state.blocks if p.region is Region.CPU_COMPUTE)
         regions = self.policy.route_blocks(cpu_tokens, len(state.blocks) * bs, [bs] * count, self.spilled_tokens())
-        for region in regions:
-            placement = self._allocate(region)
-            state.blocks.append(placement)
-            state.region_blocks.setdefault((placement.region, placement.shard), []).append(placement.block)
+        new = [self._allocate(region) for region in regions]
+        state.blocks.extend(new)
+        for key in [*self._compute_keys(), _TRANSFER]:
+            blocks = [p.block for p in new if (p.region, p.shard) == key]
+            if blocks:
+                self.tables.append(key, state.slot, blocks)
+        self.tables.extend_spans(state.slot, [p.block for p in new if p.region is Region.CPU_TRANSFER])
         state.reserved_blocks -= count
 
     def _allocate(self, preferred: Region) -> Placement:
@@ -262,14 +286,23 @@ class InplaceKVCache:
                 return Placement(region, shard if region is Region.CPU_COMPUTE else 0, alloc.allocate(1)[0])
         raise AssertionError("admission reserved a block that no region has")
 
-    def _write_block(self, placement: Placement, layer: int, rows: list[torch.Tensor]) -> None:
-        # rows: one [num_kv_heads, n <= block_size, dim] per stored array
-        region = self.compute[placement.shard] if placement.region is Region.CPU_COMPUTE else self.transfer
-        for array, row in zip(region.arrays, rows, strict=True):
-            if placement.region is Region.CPU_COMPUTE:
-                array[layer, :, placement.block, : row.shape[1]] = row
-            else:
-                array[layer, placement.block, :, : row.shape[1]] = row
+    def _write_blocks(self, placements: list[Placement], layers: list[int], rows: list[torch.Tensor]) -> None:
+        """rows: one [len(layers), num_kv_heads, len(placements), block_size, dim] per stored array, the
+        placements' blocks in order; each region's blocks are written in one indexed copy."""
+        layer_index = torch.tensor(layers)
+        for key in [*self._compute_keys(), _TRANSFER]:
+            picked = [i for i, p in enumerate(placements) if (p.region, p.shard) == key]
+            if not picked:
+                continue
+            which = torch.tensor(picked)
+            blocks = torch.tensor([placements[i].block for i in picked])
+            region = self.compute[key[1]] if key[0] is Region.CPU_COMPUTE else self.transfer
+            for array, row in zip(region.arrays, rows, strict=True):
+                chosen = row.index_select(2, which.to(row.device)).to("cpu")  # [L, kv, n, bs, dim]
+                if key[0] is Region.CPU_COMPUTE:  # head-major [layer, kv_head, block, token, dim]
+                    array[layer_index[:, None], :, blocks[None, :]] = chosen.permute(0, 2, 1, 3, 4)
+                else:  # block-major [layer, block, kv_head, token, dim]
+                    array[layer_index[:, None], blocks[None, :]] = chosen.permute(0, 2, 1, 3, 4)
 
     # ---------------------------------------------------------------- reads
     def spilled_tokens(self) -> int:
@@ -282,116 +315,81 @@ class InplaceKVCache:
             return 0.0
         return sum(p.region is Region.CPU_COMPUTE for p in state.blocks) / len(state.blocks)
 
-    def compute_source(self, layer: int, seq_ids, shard: int = 0) -> KVSource:
-        """The tokens of seq_ids in one cpu_compute shard, as a paged source for the CPU kernel (views)."""
-        region = self.compute[shard]
-        k = region.k[layer].permute(1, 0, 2, 3)  # [num_blocks, num_kv_heads, block_size, head_dim_k]
-        v = region.v[layer].permute(1, 0, 2, 3)
-        lists = [self._state(s).region_blocks.get((Region.CPU_COMPUTE, shard), []) for s in seq_ids]
-        return KVSource(k, v, *self._table(lists, k.device))
+    def step_view(self, seq_ids, pending_tokens: int = 1) -> StepView:
+        """The tables of one decode step for seq_ids, checked once here for the whole step: every
+        sequence prefilled and with room for the step's token. pending_tokens: the tokens the step
+        appends to the window before it is attended (1 in a decode step)."""
+        states = [self._state(s) for s in seq_ids]
+        for seq_id, state in zip(seq_ids, states, strict=True):
+            self._check_decodable(seq_id, state, appending=pending_tokens > 0)
+        self._steps += 1
+        slots = torch.tensor([s.slot for s in states], dtype=torch.int64)
+        positions = torch.tensor([s.window_len for s in states], dtype=torch.int64)
+        compute = [self.tables.batch(key, slots) for key in self._compute_keys()]
+        transfer = self.tables.batch(_TRANSFER, slots)
+        chunks = () if self.pingpong is None else plan_chunks(
+            [self.tables.spans.get(s.slot, []) for s in states], self.pingpong.capacity, self.block_size, self.device)
+        window_slots = slots.to(self.device)
+        return StepView(tuple(seq_ids), self._steps, slots, window_slots, positions.to(self.device),
+                        (positions + pending_tokens).to(torch.int32).to(self.device),
+                        window_slots.to(torch.int32)[:, None],
+                        tuple((table, lens) for table, lens, _ in compute), sum(n for _, _, n in compute),
+                        transfer[:2], transfer[2], chunks)
 
-    def window_source(self, layer: int, seq_ids, pending_tokens: int = 0) -> KVSource:
-        """The window tokens of seq_ids: each sequence's slot is one block of window_tokens.
-        pending_tokens counts tokens appended in this step but not committed yet."""
+    def compute_sources(self, layer: int, view: StepView) -> list[KVSource]:
+        """The view's cpu_compute tokens of one layer, one paged source per shard (views, on the host)."""
+        sources = []
+        for region, (table, lens) in zip(self.compute, view.compute, strict=True):
+            k = region.k[layer].permute(1, 0, 2, 3)  # [num_blocks, num_kv_heads, block_size, head_dim_k]
+            sources.append(KVSource(k, region.v[layer].permute(1, 0, 2, 3), table, lens))
+        return sources
+
+    def window_source(self, layer: int, view: StepView) -> KVSource:
+        """The view's window tokens of one layer (this step's token included): each sequence's slot is
+        one block of window_tokens."""
         k = self.window[0][layer]  # [max_seqs, num_kv_heads, window_tokens, head_dim_k]
         v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else self.window[1][layer]
-        slots = torch.tensor([[self._state(s).slot] for s in seq_ids], dtype=torch.int32, device=k.device)
-        lens = torch.tensor([self._state(s).window_len + pending_tokens for s in seq_ids], dtype=torch.int32,
-                            device=k.device)
-        return KVSource(k, v, slots.reshape(len(seq_ids), 1), lens)
+        return KVSource(k, v, view.window_table, view.window_lens)
 
-    def start_transfer(self, layer: int, seq_ids) -> None:
-        """Starts copying the first ping-pong chunk of `layer` into buffer layer % 2: on CUDA on a side
-        stream, returning at once, so layer l + 1's copy runs while layer l computes; on a CPU-only
-        host inline. `transfer_chunks(layer, seq_ids)` then begins with it. The buffer must be free:
-        the chunks of layer - 2 are consumed."""
-        plan = self._transfer_plan(seq_ids)
-        previous = self._pending.pop(layer % 2, None)
-        if previous is not None:  # never two copies into one buffer at once
-            self._wait(previous[3])
-        if not plan:
+    def start_transfer(self, layer: int, view: StepView) -> None:
+        """Starts copying the layer's first ping-pong chunk into buffer layer % 2 (on CUDA on a side
+        stream, returning at once), so layer l + 1's copy runs while layer l computes; nothing when
+        cpu_transfer is attended in place or the view has no transfer tokens."""
+        if view.chunks:
+            self.pingpong.prefetch(layer, view.chunks[0], self.transfer.arrays, view.key)
+
+    def device_source_groups(self, layer: int, view: StepView) -> Iterator[list[KVSource]]:
+        """The sources the device attends for one layer, in groups attended one call each: the window
+        and cpu_transfer, in place (one group) or through the ping-pong buffer, one group per chunk
+        (one in all when the buffer holds the layer's transfer blocks). A group is valid until the
+        next is asked for: the next chunk refills the buffer."""
+        window = self.window_source(layer, view)
+        if self.pingpong is None:
+            transfer = [] if not view.transfer_tokens else [KVSource(
+                self.transfer.k[layer], self.transfer.v[layer], *view.transfer)]
+            yield [window, *transfer]
             return
-        if self.pingpong[0].is_cuda:
-            stream = self._copy_stream or torch.cuda.Stream(device=self.pingpong[0].device)
-            self._copy_stream = stream
-            stream.wait_stream(torch.cuda.current_stream())
-            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            with torch.cuda.stream(stream):
-                start.record()
-                self._copy_chunk(layer, plan[0])
-                done.record()
-            handle = (start, done)
-        else:  # no device to overlap with: copy now, inline (a copy thread only competed for the cores)
-            handle = self._timed_copy(layer, plan[0])
-        self._pending[layer % 2] = (layer, tuple(seq_ids), plan[0], handle)
+        if not view.chunks:
+            yield [window]
+        for index, chunk in enumerate(view.chunks):
+            source = self.pingpong.source(layer, chunk, self.transfer.arrays, view.key, first=index == 0)
+            yield [window, source] if index == 0 else [source]
 
-    def transfer_chunks(self, layer: int, seq_ids) -> Iterator[KVSource]:
-        """Streams the cpu_transfer blocks of seq_ids for one layer into ping-pong buffer layer % 2, at
-        most pingpong_blocks at a time, one DMA per span of consecutive blocks; yields each chunk as
-        a paged source on the device, valid until the next chunk refills the buffer. A chunk started
-        by `start_transfer` is waited for, not copied again. Records the copy time (the B of the
-        perf model)."""
-        pending = self._pending.pop(layer % 2, None)
-        pending_s = self._wait(pending[3]) if pending is not None else 0.0  # the buffer is ours only after this
-        self.last_transfer_s, self.last_transfer_tokens = 0.0, 0
-        for index, chunk in enumerate(self._transfer_plan(seq_ids)):
-            if index == 0 and pending is not None and pending[:3] == (layer, tuple(seq_ids), chunk):
-                self.last_transfer_s += pending_s
-            else:
-                self.last_transfer_s += self._timed_copy(layer, chunk)
-            self.last_transfer_tokens += len(chunk) * self.block_size
-            lists = [[] for _ in seq_ids]
-            for slot, (seq_index, _) in enumerate(chunk):
-                lists[seq_index].append(slot)
-            buffer = layer % 2
-            k = self.pingpong[0][buffer]
-            v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else self.pingpong[1][buffer]
-            yield KVSource(k, v, *self._table(lists, k.device))
-
-    def _transfer_plan(self, seq_ids) -> list[list[tuple[int, int]]]:
-        """Chunks of (sequence index, cpu_transfer block), at most pingpong_blocks each."""
-        blocks = [(i, block) for i, s in enumerate(seq_ids)
-                  for block in self._state(s).region_blocks.get((Region.CPU_TRANSFER, 0), [])]
-        capacity = self.config.pingpong_blocks
-        return [blocks[start:start + capacity] for start in range(0, len(blocks), capacity)]
-
-    def _copy_chunk(self, layer: int, chunk) -> None:
-        buffer = layer % 2
-        for dst, src, n in _spans([block for _, block in chunk]):
-            for buf, array in zip(self.pingpong, self.transfer.arrays, strict=True):
-                buf[buffer, dst:dst + n].copy_(array[layer, src:src + n], non_blocking=True)
-
-    def _timed_copy(self, layer: int, chunk) -> float:
-        began = time.perf_counter()
-        self._copy_chunk(layer, chunk)
-        if self.pingpong[0].is_cuda:  # the copies are asynchronous: time them to completion
-            torch.cuda.current_stream().synchronize()
-        return time.perf_counter() - began
-
-    @staticmethod
-    def _wait(handle) -> float:
-        if isinstance(handle, tuple):  # CUDA events on the copy stream
-            start, done = handle
-            torch.cuda.current_stream().wait_event(done)
-            done.synchronize()
-            return start.elapsed_time(done) / 1e3
-        return handle  # a host copy, already done: its seconds
-
-    def shipped_compute_source(self, layer: int, seq_ids, shard: int = 0) -> KVSource:
-        """The monolithic baseline: the cpu_compute blocks of seq_ids copied whole to the device from
-        unpinned memory (one gather and one pageable copy per step), as a paged source there."""
-        source = self.compute_source(layer, seq_ids, shard)
-        per_seq = [self._state(s).region_blocks.get((Region.CPU_COMPUTE, shard), []) for s in seq_ids]
-        index = torch.tensor([b for blocks in per_seq for b in blocks], dtype=torch.long)  # disjoint per sequence
-        device = self.window[0].device
-        k = source.k_cache.index_select(0, index).to(device)
-        v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else \
-            source.v_cache.index_select(0, index).to(device)
-        lists, start = [], 0
-        for blocks in per_seq:  # each sequence's blocks are consecutive in the shipped copy
-            lists.append(list(range(start, start + len(blocks))))
-            start += len(blocks)
-        return KVSource(k, v, *self._table(lists, device))
+    def shipped_compute_sources(self, layer: int, view: StepView) -> list[KVSource]:
+        """The monolithic baseline: the view's cpu_compute blocks of every shard copied whole to the
+        device from unpinned memory (one gather and one pageable copy per shard and step)."""
+        sources = []
+        for source in self.compute_sources(layer, view):
+            used = torch.arange(source.block_table.shape[1])[None, :] < (source.seq_lens // self.block_size)[:, None]
+            index = source.block_table[used].long()  # row-major: each sequence's blocks consecutive
+            k = source.k_cache.index_select(0, index).to(self.device)
+            v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else \
+                source.v_cache.index_select(0, index).to(self.device)
+            counts = source.seq_lens // self.block_size
+            starts = torch.cumsum(counts, 0) - counts
+            table = (starts[:, None] + torch.arange(source.block_table.shape[1])[None, :]).to(torch.int32)
+            sources.append(KVSource(k, v, table.to(self.device), source.seq_lens.to(self.device)))
+        return sources
 
     def sequence_kv(self, seq_id, layer: int) -> list[torch.Tensor]:
         """A copy of a sequence's stored arrays of one layer in logical token order: [num_kv_heads,
@@ -407,11 +405,13 @@ class InplaceKVCache:
         return [torch.cat(out, dim=1) for out in parts]
 
     def device_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in [*self.window, *self.pingpong])
+        window = sum(t.numel() * t.element_size() for t in self.window)
+        return window + (self.pingpong.nbytes() if self.pingpong is not None else 0)
 
     # ---------------------------------------------------------------- invariants
     def check_integrity(self) -> None:
-        """Every token of every live sequence is in exactly one region; allocators add up."""
+        """Every token of every live sequence is in exactly one region; tables, spans and
+        allocators agree with the placements."""
         owned = {}
         for seq_id, state in self.seqs.items():
             placed = len(state.blocks) * self.block_size
@@ -419,10 +419,12 @@ class InplaceKVCache:
             assert 0 <= state.window_len < self.config.window_tokens or state.num_tokens == state.max_tokens
             assert state.reserved_blocks >= 0, f"{seq_id!r}: negative reservation"
             assert len(state.blocks) + state.reserved_blocks == self.blocks_needed(state.max_tokens)
-            by_region = {}
-            for p in state.blocks:
-                by_region.setdefault((p.region, p.shard), []).append(p.block)
-            assert by_region == {k: v for k, v in state.region_blocks.items() if v}, f"{seq_id!r}: block lists differ"
+            for key in [*self._compute_keys(), _TRANSFER]:
+                expected = [p.block for p in state.blocks if (p.region, p.shard) == key]
+                assert self.tables.row(key, state.slot) == expected, f"{seq_id!r}: the {key} table differs"
+            spans = self.tables.spans.get(state.slot, [])
+            assert [b for first, n in spans for b in range(first, first + n)] == \
+                self.tables.row(_TRANSFER, state.slot), f"{seq_id!r}: transfer spans differ from its table"
             for p in state.blocks:
                 key = (p.region, p.shard, p.block)
                 assert key not in owned, f"block {key} is owned by {owned[key]!r} and {seq_id!r}"
@@ -438,6 +440,9 @@ class InplaceKVCache:
         assert self.free_blocks() >= 0
 
     # ---------------------------------------------------------------- helpers
+    def _compute_keys(self) -> list[tuple[Region, int]]:
+        return [(Region.CPU_COMPUTE, shard) for shard in range(self.config.num_shards)]
+
     def _state(self, seq_id) -> SequenceState:
         try:
             return self.seqs[seq_id]
@@ -447,6 +452,12 @@ class InplaceKVCache:
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.config.format.num_layers:
             raise ValueError(f"layer {layer} is outside [0, {self.config.format.num_layers})")
+
+    def _check_decodable(self, seq_id, state: SequenceState, appending: bool = True) -> None:
+        if len(state.prefilled_layers) != self.config.format.num_layers:
+            raise ValueError(f"sequence {seq_id!r} must be prefilled in every layer before decoding")
+        if appending and state.num_tokens >= state.max_tokens:
+            raise CapacityError(f"sequence {seq_id!r} reached its admitted {state.max_tokens} tokens")
 
     def _stored(self, k, v, num_tokens) -> list[torch.Tensor]:
         fmt = self.config.format
@@ -462,13 +473,8 @@ class InplaceKVCache:
                 raise ValueError(f"{name} has dtype {array.dtype}, the cache stores {fmt.dtype}")
         return arrays
 
-    def _table(self, lists, device) -> tuple[torch.Tensor, torch.Tensor]:
-        width = max([len(blocks) for blocks in lists] + [1])
-        table = torch.zeros((len(lists), width), dtype=torch.int32)
-        for row, blocks in enumerate(lists):
-            table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-        lens = torch.tensor([len(blocks) * self.block_size for blocks in lists], dtype=torch.int32)
-        return table.to(device), lens.to(device)
+
+_TRANSFER = (Region.CPU_TRANSFER, 0)
 
 
 def _attach_regions(config: CacheConfig, compute_handles, transfer_handle):
@@ -492,12 +498,3 @@ def _attach_regions(config: CacheConfig, compute_handles, transfer_handle):
             region.close()
         raise
     return regions[:-1], regions[-1]
-
-
-def _spans(blocks: list[int]) -> Iterator[tuple[int, int, int]]:
-    """(destination slot, first source block, count) of each run of consecutive source blocks."""
-    start = 0
-    for i in range(1, len(blocks) + 1):
-        if i == len(blocks) or blocks[i] != blocks[i - 1] + 1:
-            yield start, blocks[start], i - start
-            start = i

@@ -94,13 +94,44 @@ def multi_source_partial_attention(q, sources, *, scale=None, backend="cpu"):
     if backend == "triton":
         for source in sources:
             _check_block_values(source)
+    return attend(q, sources, scale, backend)
+
+
+def attend(q, sources, scale: float, backend: str):
+    """multi_source_partial_attention for callers whose sources were checked when they were made
+    (the cache validates its tables as blocks are written): no Python checks and no host sync on
+    the hot path. The C++ launcher still checks every argument, and every block id, before a read.
+    q [num_seqs, num_q_heads, head_dim_qk] -> (out [num_seqs, num_q_heads, head_dim_v], lse [num_seqs, num_q_heads])."""
+    if backend == "triton":
         return _triton_module().paged_attention(q, sources, scale)
-    attend = reference.paged_attention if backend == "torch" else _cpu_paged_attention
-    partials = [attend(q, *source, scale) for source in sources]
+    if backend == "torch":
+        partials = [reference.paged_attention(q, *source, scale) for source in sources]
+        return partials[0] if len(partials) == 1 else reference.merge_partials(
+            torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]))
+    return merge([_cpu_paged_attention(q, *source, scale) for source in sources])
+
+
+class Partial(NamedTuple):
+    """A partial with what it cost: out [num_seqs, num_q_heads, head_dim_v], lse [num_seqs, num_q_heads],
+    the KV tokens it attended and its seconds (kernel time, or the wall time of a whole path)."""
+
+    out: torch.Tensor
+    lse: torch.Tensor
+    tokens: int
+    seconds: float
+
+
+def merge(partials):
+    """The one merge of a step: (out, lse) pairs (or Partials) of disjoint parts of the same rows, on
+    one device, -> (out, lse) of their union, exact in float32 (see merge_partials): the C++ merge on
+    the host, the Triton merge on CUDA."""
     if len(partials) == 1:
-        return partials[0]
-    return merge_partials(torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]),
-                          backend="torch" if backend == "torch" else "cpu")
+        return partials[0][0], partials[0][1]
+    outs = torch.stack([p[0] for p in partials])
+    lses = torch.stack([p[1] for p in partials])
+    if outs.is_cuda:
+        return _merge_flattened(outs, lses, _triton_module().merge_partials)
+    return _merge_flattened(outs, lses, _cpu_merge_rows)
 
 
 def merge_partials(outs, lses, *, backend="torch"):

@@ -51,27 +51,36 @@ def _correction_range(rope, dim):
     return max(low, 0), min(high, dim - 1)
 
 
-def rope_rotate_half(x, positions, inv_freq, attention_factor=1.0):
-    # x [T, heads, dim], positions [T]: the halves (x1, x2) rotate together (Llama / Qwen / Mixtral)
+def rope_rotate_half_tables(positions, inv_freq, attention_factor, dtype):
+    """positions [T] -> (cos, sin) [T, 1, dim] in dtype: made once per step (or prefill) and shared
+    by every layer, whose positions are the same."""
     freqs = positions[:, None].float() * inv_freq[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos = (emb.cos() * attention_factor).to(x.dtype)[:, None, :]
-    sin = (emb.sin() * attention_factor).to(x.dtype)[:, None, :]
+    return (emb.cos() * attention_factor).to(dtype)[:, None, :], (emb.sin() * attention_factor).to(dtype)[:, None, :]
+
+
+def apply_rope_rotate_half(x, cos, sin):
+    # x [T, heads, dim]: the halves (x1, x2) rotate together (Llama / Qwen / Mixtral)
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def rope_interleaved(x, positions, inv_freq, attention_factor=1.0):
-    # x [T, heads, dim]: consecutive pairs (x[2i], x[2i+1]) rotate as complex numbers (DeepSeek-V2)
+def rope_interleaved_rotation(positions, inv_freq, attention_factor):
+    """positions [T] -> the complex rotation [T, 1, dim / 2], shared by every layer of a step."""
     freqs = positions[:, None].float() * inv_freq[None, :]
-    rotation = (torch.polar(torch.ones_like(freqs), freqs) * attention_factor)[:, None, :]
+    return (torch.polar(torch.ones_like(freqs), freqs) * attention_factor)[:, None, :]
+
+
+def apply_rope_interleaved(x, rotation):
+    # x [T, heads, dim]: consecutive pairs (x[2i], x[2i+1]) rotate as complex numbers (DeepSeek-V2)
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
     return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
 
-def swiglu(x, gate, up, down):
-    # x [T, hidden]; gate/up [inter, hidden]; down [hidden, inter]
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+def swiglu(x, gate_up, down):
+    # x [T, hidden]; gate_up [2 * inter, hidden] (gate rows, then up rows); down [hidden, inter]
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
 
 
 def causal_attention(q, k, v, scale):

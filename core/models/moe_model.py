@@ -6,6 +6,10 @@ A layer is split into the pieces the decode task graph schedules separately:
     feed_forward      norm, dense MLP or MoE (router, routed + shared experts), residual
 Experts are placed hot (on the engine's device) or cold (computed on the CPU); the result does not
 depend on the placement.
+
+At load, projections that read the same input are fused into one matrix, as serving engines do
+(q/k/v of GQA; gate/up of every MLP and expert), so a decode step makes one small matmul where it
+made two or three; the rope tables are made once per step (`rope`) and shared by every layer.
 """
 
 from __future__ import annotations
@@ -14,7 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from writescope.models.config import ModelConfig
-from writescope.models.layers import rms_norm, rope_frequencies, rope_interleaved, rope_rotate_half, swiglu
+from writescope.models.layers import (
+    apply_rope_interleaved,
+    apply_rope_rotate_half,
+    rms_norm,
+    rope_frequencies,
+    rope_interleaved_rotation,
+    rope_rotate_half_tables,
+    swiglu,
+)
 
 
 class MoEModel:
@@ -29,6 +41,7 @@ class MoEModel:
         self.expert_device = self._place_experts(hot_experts)
         if config.is_mla:
             self._absorb_mla()
+        self._fuse_projections()
 
     # ------------------------------------------------------------------ placement
     def _place_experts(self, hot_experts):
@@ -41,7 +54,7 @@ class MoEModel:
             hot = self.config.num_experts if hot_experts is None else hot_experts
             placement[layer] = [self.device if e < hot else torch.device("cpu") for e in range(self.config.num_experts)]
             for e, device in enumerate(placement[layer]):
-                for name in self._expert_names(layer, e):
+                for name in self._checkpoint_expert_names(layer, e):
                     self.w[name] = self.w[name].to(device)
         return placement
 
@@ -52,6 +65,31 @@ class MoEModel:
             kv_b = kv_b.view(cfg.num_q_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
             self.w[f"absorbed.{layer}.w_uk"] = kv_b[:, : cfg.qk_nope_head_dim]  # [heads, nope, latent]
             self.w[f"absorbed.{layer}.w_uv"] = kv_b[:, cfg.qk_nope_head_dim:]  # [heads, v, latent]
+
+    def _fuse_projections(self):
+        """q/k/v (GQA) and every gate/up pair as one matrix each; the separate ones are dropped."""
+        cfg = self.config
+        for layer in range(cfg.num_layers):
+            p = f"model.layers.{layer}."
+            if not cfg.is_mla:
+                names = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+                self.w[p + "self_attn.qkv_proj.weight"] = torch.cat([self.w.pop(n) for n in names])
+            mlps = [p + "mlp."] if not cfg.is_moe_layer(layer) else [p + "mlp.shared_experts."] * bool(
+                cfg.n_shared_experts)
+            for mlp in mlps:
+                self.w[mlp + "gate_up_proj.weight"] = torch.cat([self.w.pop(mlp + "gate_proj.weight"),
+                                                                 self.w.pop(mlp + "up_proj.weight")])
+            if cfg.is_moe_layer(layer):
+                for expert in range(cfg.num_experts):
+                    gate, up, _ = self._checkpoint_expert_names(layer, expert)
+                    fused, _ = self._expert_names(layer, expert)
+                    self.w[fused] = torch.cat([self.w.pop(gate), self.w.pop(up)])
+
+    def rope(self, positions):
+        """positions [T] -> the rope tables every layer of a step (or a prefill) applies."""
+        if self.config.is_mla:
+            return rope_interleaved_rotation(positions, self.inv_freq, self.rope_factor)
+        return rope_rotate_half_tables(positions, self.inv_freq, self.rope_factor, self.w["model.norm.weight"].dtype)
 
     # ------------------------------------------------------------------ embedding and head
     def embed(self, token_ids):
@@ -65,26 +103,26 @@ class MoEModel:
         return F.linear(x, head).float()
 
     # ------------------------------------------------------------------ attention
-    def attention_inputs(self, layer, hidden, positions):
-        """hidden [T, hidden], positions [T] -> q [T, num_q_heads, decode_head_dim_qk],
+    def attention_inputs(self, layer, hidden, rope):
+        """hidden [T, hidden], rope: self.rope(positions [T]) -> q [T, num_q_heads, decode_head_dim_qk],
         stored [T, kv_heads, dim] per stored array (K, and V unless V lives inside K)."""
         x = rms_norm(hidden, self.w[f"model.layers.{layer}.input_layernorm.weight"], self.config.rms_norm_eps)
-        return self._mla_inputs(layer, x, positions) if self.config.is_mla else self._gqa_inputs(layer, x, positions)
+        return self._mla_inputs(layer, x, rope) if self.config.is_mla else self._gqa_inputs(layer, x, rope)
 
-    def _gqa_inputs(self, layer, x, positions):
+    def _gqa_inputs(self, layer, x, rope):
         cfg, p = self.config, f"model.layers.{layer}.self_attn."
-        tokens = x.shape[0]
-        q = F.linear(x, self.w[p + "q_proj.weight"]).view(tokens, cfg.num_q_heads, cfg.head_dim)
-        k = F.linear(x, self.w[p + "k_proj.weight"]).view(tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = F.linear(x, self.w[p + "v_proj.weight"]).view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        tokens, q_width, kv_width = x.shape[0], cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = F.linear(x, self.w[p + "qkv_proj.weight"]).split([q_width, kv_width, kv_width], dim=-1)
+        q = q.view(tokens, cfg.num_q_heads, cfg.head_dim)
+        k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.arch == "qwen3_moe":
             q = rms_norm(q, self.w[p + "q_norm.weight"], cfg.rms_norm_eps)
             k = rms_norm(k, self.w[p + "k_norm.weight"], cfg.rms_norm_eps)
-        rotate = rope_rotate_half
-        return rotate(q, positions, self.inv_freq, self.rope_factor), [rotate(k, positions, self.inv_freq,
-                                                                              self.rope_factor), v]
+        cos, sin = rope
+        return apply_rope_rotate_half(q, cos, sin), [apply_rope_rotate_half(k, cos, sin), v]
 
-    def _mla_inputs(self, layer, x, positions):
+    def _mla_inputs(self, layer, x, rotation):
         cfg, p = self.config, f"model.layers.{layer}.self_attn."
         tokens = x.shape[0]
         if cfg.q_lora_rank is None:
@@ -98,8 +136,8 @@ class MoEModel:
         latent, k_pe = F.linear(x, self.w[p + "kv_a_proj_with_mqa.weight"]).split(
             [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, self.w[p + "kv_a_layernorm.weight"], cfg.rms_norm_eps)
-        q_pe = rope_interleaved(q_pe, positions, self.inv_freq, self.rope_factor)
-        k_pe = rope_interleaved(k_pe[:, None, :], positions, self.inv_freq, self.rope_factor)
+        q_pe = apply_rope_interleaved(q_pe, rotation)
+        k_pe = apply_rope_interleaved(k_pe[:, None, :], rotation)
         # absorbed: q_nope . (W_UK c) == (q_nope W_UK) . c, so the query meets the latent directly
         q_latent = torch.einsum("thn,hnc->thc", q_nope, self.w[f"absorbed.{layer}.w_uk"])
         return torch.cat([q_latent, q_pe], dim=-1), [torch.cat([latent[:, None, :], k_pe], dim=-1)]
@@ -120,8 +158,7 @@ class MoEModel:
         p = f"model.layers.{layer}."
         x = rms_norm(hidden, self.w[p + "post_attention_layernorm.weight"], self.config.rms_norm_eps)
         if not self.config.is_moe_layer(layer):
-            out = swiglu(x, self.w[p + "mlp.gate_proj.weight"], self.w[p + "mlp.up_proj.weight"],
-                         self.w[p + "mlp.down_proj.weight"])
+            out = swiglu(x, self.w[p + "mlp.gate_up_proj.weight"], self.w[p + "mlp.down_proj.weight"])
         else:
             out = self._moe(layer, x)
         return hidden + out
@@ -132,13 +169,12 @@ class MoEModel:
         for e in torch.unique(experts).tolist():
             token_idx, slot = torch.where(experts == e)
             device = self.expert_device[layer][e]
-            gate, up, down = (self.w[n] for n in self._expert_names(layer, e))
-            y = swiglu(x[token_idx].to(device), gate, up, down).to(x.device)
+            gate_up, down = (self.w[n] for n in self._expert_names(layer, e))
+            y = swiglu(x[token_idx].to(device), gate_up, down).to(x.device)
             out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(x.dtype))
         if self.config.n_shared_experts:
             p = f"model.layers.{layer}.mlp.shared_experts."
-            out = out + swiglu(x, self.w[p + "gate_proj.weight"], self.w[p + "up_proj.weight"],
-                               self.w[p + "down_proj.weight"])
+            out = out + swiglu(x, self.w[p + "gate_up_proj.weight"], self.w[p + "down_proj.weight"])
         return out
 
     def _route(self, layer, x):
@@ -165,9 +201,15 @@ class MoEModel:
         mask = keep[:, :, None].expand(-1, -1, per_group).reshape(-1, cfg.num_experts)
         return scores.masked_fill(mask == 0, 0.0)
 
-    def _expert_names(self, layer, expert):
+    def _checkpoint_expert_names(self, layer, expert):
+        """(gate, up, down) weight names of an expert as the checkpoint has them."""
         if self.config.arch == "mixtral":
             p = f"model.layers.{layer}.block_sparse_moe.experts.{expert}."
             return p + "w1.weight", p + "w3.weight", p + "w2.weight"
         p = f"model.layers.{layer}.mlp.experts.{expert}."
         return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+    def _expert_names(self, layer, expert):
+        """(fused gate/up, down) weight names of an expert once loaded."""
+        gate, _, down = self._checkpoint_expert_names(layer, expert)
+        return gate.rsplit(".", 2)[0] + ".gate_up.weight", down

@@ -234,6 +234,19 @@ void plan_items(AttentionJob& job, int64_t chunk_tokens, float* out, float* lse,
   }
 }
 
+// Waking the pool's workers costs tens of microseconds (a futex round trip each); a job reading
+// less KV than kSerialKvBytes runs on the caller alone, which is as fast and leaves the other
+// cores to whatever else runs (the GPU worker's own partial, torch). Results are the same either
+// way: items and their merges do not depend on which thread runs them.
+constexpr int64_t kSerialKvBytes = 256 * 1024;
+
+bool worth_workers(const PagedAttentionArgs& a) {
+  int64_t tokens = 0;
+  for (int64_t s = 0; s < a.num_seqs; ++s) tokens += a.seq_lens[s];
+  const int64_t element = a.kv_dtype == DType::kFloat32 ? 4 : 2;
+  return tokens * a.num_kv_heads * (a.head_dim_qk + a.head_dim_v) * element >= kSerialKvBytes;
+}
+
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
@@ -261,7 +274,7 @@ void paged_attention(const py::array& q, const py::array& k_cache, const py::arr
   for (auto& ws : rt.workspaces)
     if (static_cast<int64_t>(ws.size()) < ws_bytes) ws.resize(ws_bytes);
   plan_items(job, chunk_tokens, out_ptr, lse_ptr, rt.chunk_partials);
-  rt.pool->run(static_cast<int64_t>(job.items.size()), &run_attention_item, &job);
+  rt.pool->run(static_cast<int64_t>(job.items.size()), &run_attention_item, &job, worth_workers(job.args));
 }
 
 void merge_partials(const py::array& outs, const py::array& lses, py::array& out, py::array& lse) {

@@ -34,10 +34,10 @@ void ThreadPool::drain(int thread_index) {
   }
 }
 
-void ThreadPool::run(int64_t num_items, ItemFn fn, void* context) {
+void ThreadPool::run(int64_t num_items, ItemFn fn, void* context, bool parallel) {
   if (num_items <= 0) return;
   std::lock_guard<std::mutex> job(job_mutex_);
-  const bool use_workers = num_items > 1 && !workers_.empty();
+  const bool use_workers = parallel && num_items > 1 && !workers_.empty();
   {
     std::lock_guard<std::mutex> lock(state_mutex_);
     fn_ = fn;

@@ -25,7 +25,8 @@ class ThreadPool {
   const std::vector<int>& cpus() const { return cpus_; }
 
   // Calls fn(context, item, thread_index) for every item in [0, num_items); returns when all ran.
-  void run(int64_t num_items, ItemFn fn, void* context);
+  // parallel = false runs them all on the caller: for a job smaller than waking the workers costs.
+  void run(int64_t num_items, ItemFn fn, void* context, bool parallel = true);
 
  private:
   void worker_loop(int thread_index);

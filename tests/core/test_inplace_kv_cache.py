@@ -21,9 +21,15 @@ MLA = KVFormat(num_layers=2, num_kv_heads=1, head_dim_k=12, head_dim_v=8, block_
 
 
 def make_cache(fmt=GQA, policy=None, **overrides):
+    """A small cache; its cpu_transfer goes through the ping-pong buffers (the GPU's path) unless
+    transfer_in_place=True is asked for (what a CPU-only engine does)."""
     config = {"compute_blocks_per_shard": 24, "transfer_blocks": 40, "max_seqs": 4, "pingpong_blocks": 3,
-              "num_shards": 2, "window_tokens": 8, **overrides}
+              "num_shards": 2, "window_tokens": 8, "transfer_in_place": False, **overrides}
     return InplaceKVCache(CacheConfig(fmt, **config), policy or make_policy("writescope", PerfModel(2e-7, 1e-7)))
+
+
+def device_arrays(cache):
+    return [*cache.window, *(cache.pingpong.buffers if cache.pingpong is not None else [])]
 
 
 class Shadow:
@@ -113,7 +119,7 @@ def test_random_interleavings_keep_every_invariant(fmt, ops_list):
     with make_cache(fmt) as cache:
         shadow = Shadow(cache)
         device_bytes = cache.device_bytes()
-        device_ptrs = [t.data_ptr() for t in [*cache.window, *cache.pingpong]]
+        device_ptrs = [t.data_ptr() for t in device_arrays(cache)]
         next_id = 0
         for op, x, y in ops_list:
             live = list(cache.seqs)
@@ -132,7 +138,7 @@ def test_random_interleavings_keep_every_invariant(fmt, ops_list):
                 cache.policy.estimator.model = cache.policy.model.with_cpu_rate(x)
             shadow.check()
         assert cache.device_bytes() == device_bytes  # GPU memory does not grow with the sequences
-        assert [t.data_ptr() for t in [*cache.window, *cache.pingpong]] == device_ptrs
+        assert [t.data_ptr() for t in device_arrays(cache)] == device_ptrs
 
 
 def test_refused_admission_writes_nothing():
@@ -167,25 +173,27 @@ def test_bad_writes_are_refused():
             cache.finish("z")
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["transfer-in-place", "through-pingpong"])
 @pytest.mark.parametrize("fmt", [GQA, MLA], ids=["gqa", "mla"])
-def test_regions_attended_and_merged_equal_attention_over_the_sequence(fmt):
-    """compute shards (CPU kernel) + window and ping-pong chunks (device side) merge to the whole."""
-    with make_cache(fmt, make_policy("fixed_half")) as cache:
+def test_regions_attended_and_merged_equal_attention_over_the_sequence(fmt, in_place):
+    """compute shards (CPU kernel) + the window and cpu_transfer (in place, or in ping-pong chunks)
+    merge to attention over the whole sequence."""
+    with make_cache(fmt, make_policy("fixed_half"), transfer_in_place=in_place) as cache:
         shadow = Shadow(cache)
         shadow.admit("a", 29, 40)
         shadow.admit("b", 3, 40)
         for _ in range(21):
             shadow.step(["a", "b"])
         seqs, layer = ["a", "b"], 1
+        view = cache.step_view(seqs, pending_tokens=0)  # every token is committed: none is pending
         q = torch.randn(2, 4, fmt.head_dim_k).to(fmt.torch_dtype)
-        sources = [cache.compute_source(layer, seqs, shard) for shard in range(2)]
-        cpu = [ops.multi_source_partial_attention(q, [s], backend="cpu") for s in sources]
-        # Each chunk is valid until the next one refills the buffer: attend it as it comes.
-        device = [ops.multi_source_partial_attention(q, [chunk], backend="torch")
-                  for chunk in cache.transfer_chunks(layer, seqs)]
-        assert len(device) >= 2  # more transfer blocks than one ping-pong buffer holds
-        window = ops.multi_source_partial_attention(q, [cache.window_source(layer, seqs)], backend="torch")
-        parts = [*cpu, *device, window]
+        cpu = [ops.multi_source_partial_attention(q, [s], backend="cpu") for s in cache.compute_sources(layer, view)]
+        # Each group is valid until the next one refills the buffer: attend it as it comes.
+        device = [ops.multi_source_partial_attention(q, group, backend="torch")
+                  for group in cache.device_source_groups(layer, view)]
+        assert len(device) == (1 if in_place else len(view.chunks))
+        assert in_place or len(view.chunks) >= 2  # more transfer blocks than one ping-pong buffer holds
+        parts = [*cpu, *device]
         out, lse = ops.merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
         for i, seq in enumerate(seqs):
             arrays = cache.sequence_kv(seq, layer)
@@ -193,6 +201,7 @@ def test_regions_attended_and_merged_equal_attention_over_the_sequence(fmt):
             ref_out, ref_lse = ops.partial_attention(q[i], arrays[0], v, backend="torch")
             torch.testing.assert_close(out[i], ref_out, **MERGE)
             torch.testing.assert_close(lse[i], ref_lse, **MERGE)
+        assert view.compute_tokens + view.transfer_tokens == sum(len(cache.seqs[s].blocks) * 4 for s in seqs)
 
 
 def test_placed_share_follows_r_star_and_placed_blocks_never_move():
@@ -219,13 +228,16 @@ def test_placed_share_follows_r_star_and_placed_blocks_never_move():
         shadow.check()
 
 
-def test_transfer_chunks_copy_spans_and_record_their_time():
-    with make_cache(policy=make_policy("all_transfer"), pingpong_blocks=4) as cache:
+def test_the_pingpong_plan_fills_buffers_with_spans_of_consecutive_blocks():
+    with make_cache(policy=make_policy("all_transfer"), pingpong_blocks=4, transfer_in_place=False) as cache:
         shadow = Shadow(cache)
-        shadow.admit("a", 24, 0)
-        lens = [int(chunk.seq_lens[0]) for chunk in cache.transfer_chunks(0, ["a"])]
-        assert lens == [16, 8]
-        assert cache.last_transfer_tokens == 24
+        shadow.admit("a", 24, 0)  # 6 blocks: 0..5, one span
+        shadow.admit("b", 9, 0)  # 2 blocks: 6..7
+        view = cache.step_view(["a", "b"], pending_tokens=0)
+        assert [c.spans for c in view.chunks] == [((0, 0, 4),), ((0, 4, 2), (2, 6, 2))]  # split at 4 blocks
+        assert [c.seq_lens.tolist() for c in view.chunks] == [[16, 0], [8, 8]]
+        assert [c.tokens for c in view.chunks] == [16, 16] and view.transfer_tokens == 32
+        assert cache.step_view(["b"], pending_tokens=0).chunks[0].spans == ((0, 6, 2),)
 
 
 def test_block_allocator_reuses_freed_blocks_lowest_first():
@@ -264,33 +276,30 @@ def test_kv_format_validation(field, value, message):
         KVFormat(**fields)
 
 
-def test_started_transfer_is_used_not_copied_again_and_gives_the_same_chunks():
-    with make_cache(policy=make_policy("all_transfer"), pingpong_blocks=4) as cache:
+def test_a_started_transfer_is_used_not_copied_again():
+    with make_cache(policy=make_policy("all_transfer"), pingpong_blocks=4, transfer_in_place=False) as cache:
         shadow = Shadow(cache)
         shadow.admit("a", 24, 0)
         shadow.admit("b", 9, 0)
-        def snapshot():
-            return [(c.block_table.clone(), c.seq_lens.clone(), c.k_cache.clone())
-                    for c in cache.transfer_chunks(1, ["a", "b"])]
-
-        plain = snapshot()
-        cache.pingpong[0].zero_()
-        cache.start_transfer(1, ["a", "b"])
-        copied = []
-        original = cache._timed_copy
-        cache._timed_copy = lambda layer, chunk: copied.append(len(chunk)) or original(layer, chunk)
-        started = snapshot()
-        assert copied == [len(cache._transfer_plan(["a", "b"])[1])]  # only the second chunk was copied here
-        for (t1, l1, k1), (t2, l2, k2) in zip(plain, started, strict=True):
-            assert torch.equal(t1, t2) and torch.equal(l1, l2)
-            used = sorted({int(b) for row, n in zip(t1, l1, strict=True) for b in row[: int(n) // 4]})
-            assert torch.equal(k1[used], k2[used])
-        # A transfer started for other sequences is not mistaken for this one: the bytes are a's.
-        cache.start_transfer(1, ["b"])
-        expected = cache.sequence_kv("a", 1)[0]  # [num_kv_heads, 24, head_dim]
+        view = cache.step_view(["a", "b"], pending_tokens=0)
+        expected = [[s.k_cache.clone() for s in group] for group in cache.device_source_groups(1, view)]
+        cache.start_transfer(1, view)
+        cache.transfer.k[1].add_(1)  # the source changes after the copy started: a second copy would show it
+        groups = cache.device_source_groups(1, view)
+        first = next(groups)
+        used = first[1].block_table[0, :4].long()
+        assert torch.equal(first[1].k_cache[used], expected[0][1][used])  # the prefetched bytes
+        second = next(groups)[0]
+        used = second.block_table[0, :2].long()
+        assert not torch.equal(second.k_cache[used], expected[1][0][used])  # copied now: the changed bytes
+        # A transfer started for another step is not mistaken for this one.
+        other = cache.step_view(["b"], pending_tokens=0)
+        cache.start_transfer(1, other)
+        a_view = cache.step_view(["a"], pending_tokens=0)
         got = []
-        for chunk in cache.transfer_chunks(1, ["a"]):
-            n = int(chunk.seq_lens[0]) // 4
-            blocks = chunk.k_cache[chunk.block_table[0, :n].long()]  # [n, num_kv_heads, 4, head_dim]
+        for group in cache.device_source_groups(1, a_view):
+            source = group[-1]
+            n = int(source.seq_lens[0]) // 4
+            blocks = source.k_cache[source.block_table[0, :n].long()]  # [n, num_kv_heads, 4, head_dim]
             got.append(blocks.permute(1, 0, 2, 3).reshape(2, n * 4, -1))
-        assert torch.equal(torch.cat(got, dim=1), expected)
+        assert torch.equal(torch.cat(got, dim=1), cache.sequence_kv("a", 1)[0])

@@ -1,0 +1,40 @@
+"""The CPU side of a decode step's split: the partial attention over the batch's cpu_compute tokens.
+
+One seam with one method, `attend(layer, q, view, scale) -> Partial`, so the engine's step does not
+know where the CPU partial is computed: `LocalCPUPartial` runs the C++ kernel over the cache's
+shards in this process; the Ray runtime's channel-backed one (writescope.actors.ray_engine) sends
+the same request to a CPU worker per NUMA node. Either reports the kernel's own seconds, never a
+wait for a queue or a lock, as the perf model's A wants.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+
+import torch
+
+from writescope import ops
+
+
+class CPUPartial(ABC):
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, view, scale: float) -> ops.Partial:
+        """q [num_seqs, num_q_heads, head_dim_qk] on the host; view: the step's StepView -> the partial
+        over the view's cpu_compute tokens of `layer`, on the host."""
+
+    def close(self) -> None:  # noqa: B027 - most partials hold nothing of their own
+        """Releases what the partial holds (sockets, say); the cache's regions are not its own."""
+
+
+class LocalCPUPartial(CPUPartial):
+    """Every shard with the C++ kernel in this process, one call per shard, merged."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def attend(self, layer: int, q: torch.Tensor, view, scale: float) -> ops.Partial:
+        sources = self.cache.compute_sources(layer, view)
+        began = time.perf_counter()
+        out, lse = ops.attend(q, sources, scale, backend="cpu")
+        return ops.Partial(out, lse, view.compute_tokens, time.perf_counter() - began)
