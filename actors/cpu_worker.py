@@ -49,7 +49,8 @@ class CPUWorker:
 
         k = self.region.k[layer].permute(1, 0, 2, 3)  # [num_blocks, num_kv_heads, block_size, head_dim_k]
         v = self.region.v[layer].permute(1, 0, 2, 3)
-        return ops.paged_partial_attention(q, k, v, block_table, seq_lens, scale=scale, backend="cpu")
+        # the channel checked the request's bounds; the C++ launcher checks every block id before a read
+        return ops.attend(q, [ops.KVSource(k, v, block_table, seq_lens)], scale, backend="cpu")
 
     def thread_affinities(self) -> dict[int, list[int]]:
         """CPU sets of every thread of this process, read by thread id (for checks from outside)."""

@@ -79,7 +79,9 @@ class GPUWorker:
 
     @ray.method(num_returns="streaming")
     async def generate_stream(self, prompts, kwargs: dict):
-        """The call's events as they come, indexed by prompt position (as Engine.generate_stream)."""
+        """The call's events as they come, indexed by prompt position (as Engine.generate_stream), in
+        lists: every event ready when one is yielded goes with it (a decode step's tokens travel as one
+        Ray object, not one each)."""
         streams = self._submit_call(prompts, kwargs)
         position = {stream.request_id: i for i, stream in enumerate(streams)}
         merged: asyncio.Queue = asyncio.Queue()
@@ -92,9 +94,11 @@ class GPUWorker:
         try:
             remaining = len(streams)
             while remaining:
-                event = await merged.get()
-                remaining -= event.finish_reason is not None
-                yield dataclasses.replace(event, index=position[event.index])
+                events = [await merged.get()]
+                while not merged.empty():
+                    events.append(merged.get_nowait())
+                remaining -= sum(event.finish_reason is not None for event in events)
+                yield [dataclasses.replace(event, index=position[event.index]) for event in events]
         finally:
             for task, stream in zip(tasks, streams, strict=True):
                 task.cancel()

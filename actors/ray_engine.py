@@ -27,7 +27,7 @@ from writescope.actors.cpu_worker import CPUWorker
 from writescope.actors.gpu_worker import GPUWorker
 from writescope.actors.region_owner import RegionOwner
 from writescope.actors.scheduler import WriteScopeScheduler
-from writescope.cpu_partial import CPUPartial
+from writescope.cpu_partial import CPUPartial, PendingPartial
 from writescope.engine import SamplingParams, call_params, engine_cache_config, load_model_config, load_tokenizer
 from writescope.executor import LocalExecutor, register_executor
 from writescope.prompts import PromptEncoder
@@ -57,12 +57,15 @@ class ChannelCPUPartial(CPUPartial):
                              f"CPU workers: one shard per worker")
         self.clients = [PartialClient(spec) for spec in specs]
 
-    def attend(self, layer: int, q, view, scale: float) -> ops.Partial:
+    def attend(self, layer: int, q, view, scale: float) -> PendingPartial:
         for client, (table, lens) in zip(self.clients, view.compute, strict=True):
             client.send(layer, q, table, lens, scale)
+        return PendingPartial(lambda: self._collect(view.compute_tokens))
+
+    def _collect(self, tokens: int) -> ops.Partial:
         results = [client.receive() for client in self.clients]
         out, lse = ops.merge([(out, lse) for out, lse, _ in results])
-        return ops.Partial(out, lse, view.compute_tokens, max(seconds for _, _, seconds in results))
+        return ops.Partial(out, lse, tokens, max(seconds for _, _, seconds in results))
 
     def close(self) -> None:
         for client in self.clients:
@@ -70,13 +73,15 @@ class ChannelCPUPartial(CPUPartial):
 
 
 class ChannelExecutor(LocalExecutor):
-    """Inside the GPU worker: the graph runs here, each layer's CPU partial on the CPU workers (on
-    the executor's thread, beside the device partial)."""
+    """Inside the GPU worker: the graph runs here, each layer's CPU partial on the CPU workers, which
+    compute while this thread runs the device partial (the request is sent, the answer collected at
+    the merge: no thread hand-off in this process)."""
 
     name = "channel"
 
     def __init__(self, specs: list[ChannelSpec]):
-        super().__init__(concurrent=True)
+        super().__init__(concurrent=False)
+        self.overlaps = True
         self.specs = specs
 
     def make_cpu_partial(self, cache) -> CPUPartial:
@@ -168,10 +173,10 @@ class RayEngine:
         generator = self.gpu_worker.generate_stream.remote(prompts, kwargs)
         try:
             for ref in generator:
-                event = ray.get(ref)
-                if event.finish_reason is not None:
-                    finished.add(event.index)
-                yield event
+                for event in ray.get(ref):  # the events that were ready together
+                    if event.finish_reason is not None:
+                        finished.add(event.index)
+                    yield event
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as error:
             lost = [i for i in range(_num_prompts(prompts)) if i not in finished]
             self._worker_lost = True

@@ -1,10 +1,11 @@
 """The CPU side of a decode step's split: the partial attention over the batch's cpu_compute tokens.
 
-One seam with one method, `attend(layer, q, view, scale) -> Partial`, so the engine's step does not
-know where the CPU partial is computed: `LocalCPUPartial` runs the C++ kernel over the cache's
-shards in this process; the Ray runtime's channel-backed one (writescope.actors.ray_engine) sends
-the same request to a CPU worker per NUMA node. Either reports the kernel's own seconds, never a
-wait for a queue or a lock, as the perf model's A wants.
+One seam with one method, `attend(layer, q, view, scale) -> PendingPartial`, so the engine's step
+does not know where the CPU partial is computed: `LocalCPUPartial` runs the C++ kernel over the
+cache's shards in this process (at once: the result is ready); the Ray runtime's channel-backed
+one (writescope.actors.ray_engine) sends the request to a CPU worker per NUMA node and returns, so
+the device partial runs while they compute, and `result()` collects their answers. Either reports
+the kernel's own seconds, never a wait for a queue or a lock, as the perf model's A wants.
 """
 
 from __future__ import annotations
@@ -17,11 +18,30 @@ import torch
 from writescope import ops
 
 
+class PendingPartial:
+    """A CPU partial under way; result() waits for it (the first time) and returns it."""
+
+    def __init__(self, collect):
+        self._collect = collect  # () -> ops.Partial
+        self._partial: ops.Partial | None = None
+
+    @classmethod
+    def done(cls, partial: ops.Partial) -> PendingPartial:
+        pending = cls(None)
+        pending._partial = partial
+        return pending
+
+    def result(self) -> ops.Partial:
+        if self._partial is None:
+            self._partial = self._collect()
+        return self._partial
+
+
 class CPUPartial(ABC):
     @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, view, scale: float) -> ops.Partial:
+    def attend(self, layer: int, q: torch.Tensor, view, scale: float) -> PendingPartial:
         """q [num_seqs, num_q_heads, head_dim_qk] on the host; view: the step's StepView -> the partial
-        over the view's cpu_compute tokens of `layer`, on the host."""
+        over the view's cpu_compute tokens of `layer`, on the host, once its result() is asked for."""
 
     def close(self) -> None:  # noqa: B027 - most partials hold nothing of their own
         """Releases what the partial holds (sockets, say); the cache's regions are not its own."""
@@ -33,8 +53,8 @@ class LocalCPUPartial(CPUPartial):
     def __init__(self, cache):
         self.cache = cache
 
-    def attend(self, layer: int, q: torch.Tensor, view, scale: float) -> ops.Partial:
+    def attend(self, layer: int, q: torch.Tensor, view, scale: float) -> PendingPartial:
         sources = self.cache.compute_sources(layer, view)
         began = time.perf_counter()
         out, lse = ops.attend(q, sources, scale, backend="cpu")
-        return ops.Partial(out, lse, view.compute_tokens, time.perf_counter() - began)
+        return PendingPartial.done(ops.Partial(out, lse, view.compute_tokens, time.perf_counter() - began))

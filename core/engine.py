@@ -104,7 +104,8 @@ class _Step:
     tokens: torch.Tensor  # [batch]
     rope: object  # the rope tables of the batch's positions, shared by every layer
     view: object  # the cache's StepView: every layer's tables
-    # per layer, what its two sides cost: (cpu tokens, cpu kernel s, cpu wall s, device tokens, device clock)
+    device_began: float = 0.0  # when the current layer's device partial began
+    # per layer, what its two sides cost: (cpu tokens, cpu kernel s, device tokens, device clock, attention s)
     layers: list = field(default_factory=list)
 
 
@@ -422,10 +423,9 @@ class Engine:
     def _account(self, step: _Step, step_s: float) -> None:
         """Feeds the policy each layer's measured costs (its one feed) and keeps the step's times."""
         attention_s = 0.0
-        for cpu_tokens, cpu_s, cpu_wall_s, device_tokens, device_clock in step.layers:
-            device_s = self._clock.seconds(device_clock)
-            self.policy.observe_step(cpu_tokens, cpu_s, device_tokens, device_s)
-            attention_s += max(cpu_wall_s, device_s) if self.executor.concurrent else cpu_wall_s + device_s
+        for cpu_tokens, cpu_s, device_tokens, device_clock, layer_attention_s in step.layers:
+            self.policy.observe_step(cpu_tokens, cpu_s, device_tokens, self._clock.seconds(device_clock))
+            attention_s += layer_attention_s
         self.policy.end_step()
         self.stats["steps"] += 1
         self.stats["tokens"] += len(step.requests)
@@ -452,18 +452,18 @@ class Engine:
         self.cache.write_window(node.layer, step.view, stored)
 
     def _cpu_partial(self, step, node, qkv):
-        """The split's CPU side over cpu_compute: (its Partial, wall seconds), or None when the
-        policy ships cpu_compute to the device instead (monolithic)."""
+        """The split's CPU side over cpu_compute: (its PendingPartial, when it began), or None when
+        the policy ships cpu_compute to the device instead (monolithic)."""
         if self.policy.ships_cpu_compute:
             return None
         began = time.perf_counter()
-        partial = self.cpu_partial.attend(node.layer, qkv[0].to("cpu"), step.view, self.config.attention_scale)
-        return partial, time.perf_counter() - began
+        return self.cpu_partial.attend(node.layer, qkv[0].to("cpu"), step.view, self.config.attention_scale), began
 
     def _device_partial(self, step, node, qkv, _written, _transfer_started):
         """The split's device side: the window (with this step's token) and cpu_transfer, one call per
         group of sources (one in all unless the ping-pong buffer needs several fills), plus, for the
         monolithic policy, the cpu_compute KV shipped whole."""
+        step.device_began = time.perf_counter()
         started = self._clock.start()
         q, layer, scale = qkv[0], node.layer, self.config.attention_scale
         partials = [ops.attend(q, group, scale, self._device_backend)
@@ -475,13 +475,17 @@ class Engine:
         return ops.Partial(out, lse, step.view.transfer_tokens, self._clock.stop(started))
 
     def _merge(self, step, node, cpu, device):
+        """The layer's two partials merged; what each side cost joins the step's record. A layer's
+        attention time is its span on this thread: from the first of its two partials to the merge."""
         if cpu is None:
-            step.layers.append((0, 0.0, 0.0, device.tokens, device.seconds))
+            step.layers.append((0, 0.0, device.tokens, device.seconds, time.perf_counter() - step.device_began))
             return device.out
-        partial, wall_s = cpu
-        step.layers.append((partial.tokens, partial.seconds, wall_s, device.tokens, device.seconds))
+        pending, began = cpu
+        partial = pending.result()  # the CPU workers' answer, or the worker thread's
         out, _ = ops.merge([(partial.out.to(device.out.device), partial.lse.to(device.out.device)),
                             (device.out, device.lse)])
+        span = time.perf_counter() - min(began, step.device_began)
+        step.layers.append((partial.tokens, partial.seconds, device.tokens, device.seconds, span))
         return out
 
     def _out_proj(self, step, node, attention, hidden):

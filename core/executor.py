@@ -23,6 +23,7 @@ class LocalExecutor:
 
     def __init__(self, concurrent: bool = False):
         self.concurrent = concurrent
+        self.overlaps = concurrent  # the CPU partial runs while the device partial does
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writescope-cpu-partial") \
             if concurrent else None
 
