@@ -44,13 +44,14 @@ class CPUWorker:
         self.server = PartialServer(channel, self._partial, num_layers=self.region.handle.format.num_layers)
 
     def _partial(self, layer, q, block_table, seq_lens, scale):
-        """q [num_seqs, num_q_heads, head_dim_qk] float32 -> out [num_seqs, num_q_heads, head_dim_v], lse."""
+        """q [num_seqs, num_q_heads, head_dim_qk] float32 -> (out [num_seqs, num_q_heads, head_dim_v], lse,
+        the kernel's own seconds)."""
         from writescope import ops
 
         k = self.region.k[layer].permute(1, 0, 2, 3)  # [num_blocks, num_kv_heads, block_size, head_dim_k]
         v = self.region.v[layer].permute(1, 0, 2, 3)
         # the channel checked the request's bounds; the C++ launcher checks every block id before a read
-        return ops.attend(q, [ops.KVSource(k, v, block_table, seq_lens)], scale, backend="cpu")
+        return ops.cpu_paged_attention_timed(q, k, v, block_table, seq_lens, scale)
 
     def thread_affinities(self) -> dict[int, list[int]]:
         """CPU sets of every thread of this process, read by thread id (for checks from outside)."""

@@ -34,15 +34,19 @@ class GPUWorker:
                  max_waiting: int = 64):
         from writescope.actors.ray_engine import ChannelExecutor  # noqa: F401 - registers "channel"
         from writescope.actors.scheduler import RemotePolicy
-        from writescope.engine import Engine, calibrated_model, kv_format, load_model_config
+        from writescope.engine import Engine, calibrated_model, engine_cache_config, load_model_config
 
         options = dict(options)
         policy_name = options.pop("policy")
         model_fit = None
         if policy_name == "writescope":
             config, torch_dtype = load_model_config(path_or_preset, options.get("dtype"))
-            fmt = kv_format(config, torch_dtype, options["block_size"])
-            model_fit = calibrated_model(config, fmt, options["device"])
+            cache_config = engine_cache_config(
+                config, torch_dtype, block_size=options["block_size"], max_batch_size=options["max_batch_size"],
+                max_seq_len=options["max_seq_len"], num_shards=len(channel_specs),
+                window_tokens=options["window_tokens"], pingpong_blocks=options["pingpong_blocks"],
+                device=options["device"])
+            model_fit = calibrated_model(config, cache_config, options["max_batch_size"])
         snapshot = ray.get(scheduler.configure.remote(policy_name, model_fit))
         self.engine = Engine.from_pretrained(path_or_preset, executor="channel",
                                              executor_options={"specs": channel_specs},

@@ -43,6 +43,7 @@ class WriteScopeScheduler:
         """One decode step's (cpu_tokens, cpu_s, transfer_tokens, transfer_s) per layer -> the updated policy."""
         for sample in samples:
             self.policy.observe_step(*sample)
+        self.policy.end_step()
         self.steps += 1
         return self.policy
 

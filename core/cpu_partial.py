@@ -10,7 +10,6 @@ the kernel's own seconds, never a wait for a queue or a lock, as the perf model'
 
 from __future__ import annotations
 
-import time
 from abc import ABC, abstractmethod
 
 import torch
@@ -54,7 +53,6 @@ class LocalCPUPartial(CPUPartial):
         self.cache = cache
 
     def attend(self, layer: int, q: torch.Tensor, view, scale: float) -> PendingPartial:
-        sources = self.cache.compute_sources(layer, view)
-        began = time.perf_counter()
-        out, lse = ops.attend(q, sources, scale, backend="cpu")
-        return PendingPartial.done(ops.Partial(out, lse, view.compute_tokens, time.perf_counter() - began))
+        parts = [ops.cpu_paged_attention_timed(q, *source, scale) for source in self.cache.compute_sources(layer, view)]
+        out, lse = ops.merge([(out, lse) for out, lse, _ in parts])
+        return PendingPartial.done(ops.Partial(out, lse, view.compute_tokens, sum(s for _, _, s in parts)))

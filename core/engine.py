@@ -34,9 +34,10 @@ from writescope.models.config import ModelConfig
 from writescope.models.layers import causal_attention
 from writescope.models.moe_model import MoEModel
 from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
-from writescope.policies import POLICY_NAMES, Policy, make_policy
+from writescope.policies import POLICY_NAMES, Policy, is_policy_name, make_policy
 from writescope.prompts import PromptEncoder
 from writescope.sampling import FAILED, SamplingParams, make_generator, sample
+from writescope.split import device_side
 
 log = logging.getLogger(__name__)
 
@@ -182,8 +183,9 @@ class Engine:
         whose GPU worker runs an Engine. region_handles: ([cpu_compute shard handle bytes],
         cpu_transfer handle bytes) of regions created elsewhere, attached instead of created."""
         executor_options = dict(executor_options or {})
-        if not isinstance(policy, Policy) and policy not in POLICY_NAMES:
-            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}")
+        if not isinstance(policy, Policy) and not is_policy_name(policy):
+            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}, or share:R with R in "
+                             f"[0, 1]")
         check_executor(executor)  # before anything is allocated
         options = dict(policy=policy, dtype=dtype, window_tokens=window_tokens, max_batch_size=max_batch_size,
                        max_seq_len=max_seq_len, block_size=block_size, device=device, hot_experts=hot_experts,
@@ -193,14 +195,34 @@ class Engine:
         config, weights, tokenizer, torch_dtype = load_model(path_or_preset, dtype, seed)
         weights = {name: w.to(device) for name, w in weights.items()}
         model = MoEModel(config, weights, device=device, hot_experts=hot_experts)
-        cache_config = engine_cache_config(config, torch_dtype, block_size=block_size, max_batch_size=max_batch_size,
-                                           max_seq_len=max_seq_len, num_shards=num_shards or 1,
-                                           window_tokens=window_tokens, pingpong_blocks=pingpong_blocks, device=device)
+        return cls.from_model(model, tokenizer, torch_dtype, policy=policy, executor=executor,
+                              window_tokens=window_tokens, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                              block_size=block_size, num_shards=num_shards, pingpong_blocks=pingpong_blocks,
+                              executor_options=executor_options, region_handles=region_handles)
+
+    @classmethod
+    def from_model(cls, model: MoEModel, tokenizer, kv_dtype: torch.dtype, *, policy: str | Policy = "writescope",
+                   executor: str = "local", window_tokens: int = 256, max_batch_size: int = 8,
+                   max_seq_len: int = 4096, block_size: int = 16, num_shards: int | None = None,
+                   pingpong_blocks: int | None = None, executor_options: dict | None = None, region_handles=None):
+        """An engine around a model already built (on its device): a new cache, executor and policy,
+        so that several engines can share one model's weights (a sweep over policies, say). The
+        options are from_pretrained's; executor is one that runs in this process."""
+        executor_options = dict(executor_options or {})
+        if not isinstance(policy, Policy) and not is_policy_name(policy):
+            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}, or share:R with R in "
+                             f"[0, 1]")
+        device = str(model.device)
+        cache_config = engine_cache_config(model.config, kv_dtype, block_size=block_size,
+                                           max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                           num_shards=num_shards or 1, window_tokens=window_tokens,
+                                           pingpong_blocks=pingpong_blocks, device=device)
         if executor == "local":  # a GPU beside the CPU: the two sides of the split run at once
-            executor_options.setdefault("concurrent", torch.device(device).type != "cpu")
+            executor_options.setdefault("concurrent", model.device.type != "cpu")
         executor_obj = make_executor(executor, **executor_options)
         if not isinstance(policy, Policy):
-            model_fit = calibrated_model(config, cache_config.format, device) if policy == "writescope" else None
+            model_fit = calibrated_model(model.config, cache_config, max_batch_size) if policy == "writescope" \
+                else None
             policy = make_policy(policy, model_fit)
         cache = InplaceKVCache(cache_config, policy, region_handles=region_handles)
         try:
@@ -465,13 +487,8 @@ class Engine:
         monolithic policy, the cpu_compute KV shipped whole."""
         step.device_began = time.perf_counter()
         started = self._clock.start()
-        q, layer, scale = qkv[0], node.layer, self.config.attention_scale
-        partials = [ops.attend(q, group, scale, self._device_backend)
-                    for group in self.cache.device_source_groups(layer, step.view)]
-        if self.policy.ships_cpu_compute:
-            partials.append(ops.attend(q, self.cache.shipped_compute_sources(layer, step.view), scale,
-                                       self._device_backend))
-        out, lse = ops.merge(partials)
+        out, lse = device_side(self.cache, node.layer, step.view, qkv[0], self.config.attention_scale,
+                               self._device_backend, ships_compute=self.policy.ships_cpu_compute)
         return ops.Partial(out, lse, step.view.transfer_tokens, self._clock.stop(started))
 
     def _merge(self, step, node, cpu, device):
@@ -615,8 +632,15 @@ def engine_cache_config(config: ModelConfig, torch_dtype, *, block_size: int, ma
                        max_blocks_per_seq=blocks_per_seq)
 
 
-def calibrated_model(config: ModelConfig, fmt, device: str):
-    """The PerfModel of this model's attention on this machine (measured once, then cached)."""
-    from writescope.calibration import AttentionShape, calibrate
+# The batch calibration measures at most: the per-token costs it fits hardly change beyond it.
+CALIBRATION_MAX_BATCH = 4
 
-    return calibrate(AttentionShape(config.num_q_heads, fmt), device=device)
+
+def calibrated_model(config: ModelConfig, cache_config: CacheConfig, max_batch_size: int, *, force: bool = False):
+    """The PerfModel of this model's attention through this cache on this machine, timed on the
+    paths the engine runs (see writescope.calibration): measured once, then cached."""
+    from writescope.calibration import CalibrationSetup, calibrate
+
+    setup = CalibrationSetup(config.num_q_heads, config.attention_scale, cache_config,
+                             batch=min(max_batch_size, CALIBRATION_MAX_BATCH))
+    return calibrate(setup, force=force)

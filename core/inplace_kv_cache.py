@@ -265,7 +265,10 @@ class InplaceKVCache:
         state = self._state(seq_id)
         bs = self.block_size
         cpu_tokens = sum(bs for p in state.blocks if p.region is Region.CPU_COMPUTE)
-        regions = self.policy.route_blocks(cpu_tokens, len(state.blocks) * bs, [bs] * count, self.spilled_tokens())
+        # r* for the spilled load once these blocks are placed: before them, a batch's first prompt
+        # would be routed for a load of 0 tokens (where r* is 0, whatever the model says)
+        spilled_after = self.spilled_tokens() + count * bs
+        regions = self.policy.route_blocks(cpu_tokens, len(state.blocks) * bs, [bs] * count, spilled_after)
         new = [self._allocate(region) for region in regions]
         state.blocks.extend(new)
         for key in [*self._compute_keys(), _TRANSFER]:

@@ -273,15 +273,22 @@ def _cpu_module():
 
 
 def _cpu_paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale):
+    out, lse, _ = cpu_paged_attention_timed(q, k_cache, v_cache, block_table, seq_lens, scale)
+    return out, lse
+
+
+def cpu_paged_attention_timed(q, k_cache, v_cache, block_table, seq_lens, scale):
+    """The C++ kernel over one source -> (out, lse, the kernel's own seconds: a wait for its pool,
+    held by another caller, is not counted)."""
     num_seqs, num_q_heads, _ = q.shape
     out = torch.empty((num_seqs, num_q_heads, v_cache.shape[-1]), dtype=torch.float32)
     lse = torch.empty((num_seqs, num_q_heads), dtype=torch.float32)
-    _cpu_module().paged_attention(
+    seconds = _cpu_module().paged_attention(
         _as_numpy(q), _as_numpy(k_cache), _as_numpy(v_cache), _as_numpy(block_table), _as_numpy(seq_lens),
         out.numpy(), lse.numpy(),
         q_dtype=_DTYPE_NAMES[q.dtype], kv_dtype=_DTYPE_NAMES[k_cache.dtype], scale=scale,
     )
-    return out, lse
+    return out, lse, seconds
 
 
 def _merge_flattened(outs, lses, merge_rows):

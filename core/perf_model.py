@@ -1,24 +1,37 @@
 """The roofline model of one layer's attention per decode step, and the CPU share that balances it.
 
-For L tokens of KV outside the GPU window and a CPU share r:
-    CPU time ~ r * L * A + C_cpu        (A: s/token of our CPU kernel, C_cpu: fixed cost)
-    GPU time ~ (1 - r) * L * B + C_gpu  (B: s/token of the copy into the ping-pong buffer; the GPU's
-                                         own attention overlaps the copy, C_gpu: fixed cost)
-    r* = (B * L + C_gpu - C_cpu) / ((A + B) * L), clipped to [0, 1], equalises the two.
+For L tokens of KV outside the GPU window and a CPU share r, as the engine pays them:
+    CPU side    ~ r * L * A + C_cpu        A: the CPU partial of a layer (the kernel over cpu_compute,
+                                           dispatch included), per token; C_cpu: its fixed cost
+    device side ~ (1 - r) * L * B + C_gpu  B: the layer's whole device path (ping-pong copies,
+                                           launches, the device partial over window + chunks), per
+                                           token; C_gpu: its fixed cost (the window among it)
+Whether the two sides run at once is a fact of the host, measured at calibration (`concurrent`):
+    concurrent (a GPU beside the CPU)   layer = max(CPU, device), and r* equalises them:
+                                        r* = (B L + C_gpu - C_cpu) / ((A + B) L), clipped to [0, 1]
+    not (the device is the CPU itself)  layer = CPU + device, linear in r: r* goes to the cheaper
+                                        side; within TIE_TOLERANCE it is the CPU side (r* = 1). There
+                                        the device path attends cpu_transfer in place with the same
+                                        kernel: A / B measured 0.71-1.06 across the presets on a Xeon
+                                        host, a spread of layout and noise, not of cost; r = 1 keeps
+                                        the KV on one path, which a GPU added later would not copy.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+TIE_TOLERANCE = 0.15
 
 
 @dataclass(frozen=True)
 class PerfModel:
     cpu_s_per_token: float  # A
-    transfer_s_per_token: float  # B
+    transfer_s_per_token: float  # B: the device path per token (its name from when it was the copy alone)
     cpu_fixed_s: float = 0.0  # C_cpu
     gpu_fixed_s: float = 0.0  # C_gpu
+    concurrent: bool = True  # the two sides overlap (a layer costs the max), else they add up
 
     def __post_init__(self):
         for name in ("cpu_s_per_token", "transfer_s_per_token", "cpu_fixed_s", "gpu_fixed_s"):
@@ -35,14 +48,17 @@ class PerfModel:
         return (1 - share) * num_tokens * self.transfer_s_per_token + self.gpu_fixed_s
 
     def step_time_s(self, share: float, num_tokens: int) -> float:
-        """Both sides run concurrently: the layer waits for the slower."""
-        return max(self.cpu_time_s(share, num_tokens), self.gpu_time_s(share, num_tokens))
+        """One layer's attention: the slower side when they overlap, their sum when they share the cores."""
+        cpu, device = self.cpu_time_s(share, num_tokens), self.gpu_time_s(share, num_tokens)
+        return max(cpu, device) if self.concurrent else cpu + device
 
     def optimal_share(self, num_tokens: int) -> float:
         """r* for num_tokens of KV outside the window (0 when there is none)."""
         if num_tokens <= 0:
             return 0.0
         a, b = self.cpu_s_per_token, self.transfer_s_per_token
+        if not self.concurrent:
+            return 1.0 if a <= b * (1 + TIE_TOLERANCE) else 0.0
         share = (b * num_tokens + self.gpu_fixed_s - self.cpu_fixed_s) / ((a + b) * num_tokens)
         return min(1.0, max(0.0, share))
 
@@ -54,47 +70,122 @@ class PerfModel:
 
 
 @dataclass
-class OnlineEstimator:
-    """Corrects a PerfModel from measured step times.
+class LinearTracker:
+    """seconds ~ slope * tokens + intercept, refitted from (tokens, seconds) pairs with exponential
+    forgetting: each pair's weight shrinks by (1 - alpha) per later pair, so a step change in the
+    truth is followed to within (1 - alpha)^n of it after n pairs (alpha = 0.3: 5% after 9).
 
-    A follows an EWMA of the measured CPU seconds per token. B is left alone while transfers run
-    as modelled (noise within `slowdown_threshold`); once they run slower or faster than that
-    (contention, e.g. expert weights on the same PCIe link, or its end), B follows the EWMA until
-    it agrees with the measurements within `settled_tolerance` again.
-    With weight alpha, after n observations the remaining error of a step change is (1 - alpha)^n
-    of it: alpha = 0.3 leaves under 5% after 9 observations.
-    """
+    The prior (the calibrated fit) enters as pseudo-pairs: on the slope, `prior_weight` pairs' worth
+    that is forgotten like any pair; on the intercept, the same weight held for good. Pairs at one
+    token count fix only slope * tokens + intercept there, so a slowdown at a steady length moves the
+    slope (as contention for bandwidth does) and the fixed cost stays as calibrated; lengths that
+    vary refit both."""
 
-    model: PerfModel
+    slope: float
+    intercept: float
     alpha: float = 0.3
-    slowdown_threshold: float = 0.15
-    settled_tolerance: float = 0.02
-    tracking_transfer: bool = False
+    prior_weight: float = 1.0
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # weight, x, xx, y, xy
 
     def __post_init__(self):
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        self._prior = (self.slope, self.intercept)
+        self._slope_prior_weight = self.prior_weight / 10  # the rate gives way first: see above
+
+    def observe(self, tokens: float, seconds: float) -> None:
+        if tokens <= 0 or not seconds >= 0 or not math.isfinite(seconds):
+            return
+        keep = 1 - self.alpha
+        w, sx, sxx, sy, sxy = (value * keep for value in self._sums)
+        self._sums = [w + 1, sx + tokens, sxx + tokens * tokens, sy + seconds, sxy + tokens * seconds]
+        self._slope_prior_weight *= keep
+        self._refit(tokens)
+
+    def scale_slope(self, factor: float) -> None:
+        """The slope (and its prior) times factor: a change seen on the other side of a shared host."""
+        self.slope *= factor
+        self._prior = (self._prior[0] * factor, self._prior[1])
+        w, sx, sxx, sy, sxy = self._sums  # pairs as if measured at the new rate: y - intercept scaled
+        intercept = self.intercept
+        self._sums = [w, sx, sxx, intercept * w + (sy - intercept * w) * factor,
+                      intercept * sx + (sxy - intercept * sx) * factor]
+
+    def _refit(self, scale: float) -> None:
+        """Weighted least squares of the pairs plus the prior, in units where tokens ~ 1."""
+        w, sx, sxx, sy, sxy = self._sums
+        a0, c0 = self._prior
+        x, xx, xy = sx / scale, sxx / scale**2, sxy / scale  # tokens rescaled to ~1: a conditioned solve
+        lam_a, lam_c = self._slope_prior_weight, self.prior_weight
+        m00, m01, m11 = xx + lam_a, x, w + lam_c
+        r0, r1 = xy + lam_a * a0 * scale, sy + lam_c * c0
+        det = m00 * m11 - m01 * m01
+        slope_scaled = (r0 * m11 - m01 * r1) / det
+        intercept = (m00 * r1 - m01 * r0) / det
+        if intercept < 0:  # noise can ask for a negative fixed cost: refit the slope with none
+            intercept, slope_scaled = 0.0, (xy + lam_a * a0 * scale) / m00
+        self.slope = max(slope_scaled / scale, 1e-15)
+        self.intercept = intercept
+
+
+class OnlineEstimator:
+    """Corrects a PerfModel from what each decode step measured: per layer, the CPU partial's own
+    seconds (the kernel's, never a wait for a lock or a queue) and the device path's wall time,
+    each with the tokens it attended. A step's layers are averaged into one (tokens, seconds) pair
+    per side (`end_step`), so the forgetting counts steps, whatever the number of layers."""
+
+    def __init__(self, model: PerfModel, alpha: float = 0.3):
+        self.model = model
+        self.cpu = LinearTracker(model.cpu_s_per_token, model.cpu_fixed_s, alpha)
+        self.device = LinearTracker(model.transfer_s_per_token, model.gpu_fixed_s, alpha)
+        self._step: list[list[float]] = [[0.0, 0.0, 0], [0.0, 0.0, 0]]  # per side: tokens, seconds, layers
+
+    @property
+    def alpha(self) -> float:
+        return self.cpu.alpha
 
     def observe_cpu(self, num_tokens: int, seconds: float) -> None:
-        per_token = self._per_token(num_tokens, seconds - self.model.cpu_fixed_s)
-        if per_token is not None:
-            a = self.model.cpu_s_per_token
-            self.model = self.model.with_cpu_rate((1 - self.alpha) * a + self.alpha * per_token)
+        """A layer's CPU partial (commits at once: for callers outside a step)."""
+        self._add(0, num_tokens, seconds)
+        self.end_step()
 
     def observe_transfer(self, num_tokens: int, seconds: float) -> None:
-        per_token = self._per_token(num_tokens, seconds - self.model.gpu_fixed_s)
-        if per_token is None:
-            return
-        b = self.model.transfer_s_per_token
-        deviation = abs(per_token / b - 1) if b > 0 else math.inf
-        if deviation > self.slowdown_threshold:
-            self.tracking_transfer = True
-        if self.tracking_transfer:
-            self.model = self.model.with_transfer_rate((1 - self.alpha) * b + self.alpha * per_token)
-            self.tracking_transfer = abs(per_token / self.model.transfer_s_per_token - 1) > self.settled_tolerance
+        """A layer's device path (commits at once: for callers outside a step)."""
+        self._add(1, num_tokens, seconds)
+        self.end_step()
 
-    @staticmethod
-    def _per_token(num_tokens: int, seconds: float) -> float | None:
-        if num_tokens <= 0 or seconds <= 0:
-            return None
-        return seconds / num_tokens
+    def observe_layer(self, cpu_tokens: int, cpu_s: float, device_tokens: int, device_s: float) -> None:
+        self._add(0, cpu_tokens, cpu_s)
+        self._add(1, device_tokens, device_s)
+
+    def end_step(self) -> None:
+        """Commits the step's pairs. Where the two sides share the host (not concurrent), a side seen
+        alone moves the other by the same factor: the same cores and memory serve both, so a load on
+        the host slows both, and their ratio (which alone decides r* there) is the code paths', not
+        the load's. Without this, r* = 1 would leave B as calibrated while contention raised A, and
+        the next blocks would go to a device side that is just as slowed."""
+        seen = []
+        for side, tracker in ((0, self.cpu), (1, self.device)):
+            tokens, seconds, layers = self._step[side]
+            if layers:
+                before = tracker.slope
+                tracker.observe(tokens / layers, seconds / layers)
+                seen.append((tracker, tracker.slope / before))
+        if len(seen) == 1 and not self.model.concurrent:
+            (tracker, factor), = seen
+            other = self.device if tracker is self.cpu else self.cpu
+            other.scale_slope(factor)
+        self._step = [[0.0, 0.0, 0], [0.0, 0.0, 0]]
+        self.model = replace(self.model, cpu_s_per_token=self.cpu.slope, cpu_fixed_s=self.cpu.intercept,
+                             transfer_s_per_token=self.device.slope, gpu_fixed_s=self.device.intercept)
+
+    def _add(self, side: int, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            entry = self._step[side]
+            entry[0] += tokens
+            entry[1] += seconds
+            entry[2] += 1
+
+    def reset_to(self, model: PerfModel) -> None:
+        """A new prior (a re-calibration, or a test's change of the truth)."""
+        self.__init__(model, self.alpha)

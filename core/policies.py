@@ -7,12 +7,14 @@ window flushes); placed KV never moves. Baselines are policies on the same engin
     all_transfer  r = 0: everything spilled is shipped to the GPU (SolidAttention / FlexGen style)
     all_cpu       r = 1: everything spilled is attended on the CPU (FastDecode / KTransformers style)
     fixed_half    r = 0.5
+    share:R       r = R, any R in [0, 1] (the sweep of tools/bench_split.py)
     monolithic    one cache in one physical state (unpinned host memory), shipped whole to the GPU
                   every step with pageable copies, as transformers' offloaded cache does
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from enum import Enum
 
@@ -92,11 +94,38 @@ class WriteScopePolicy(Policy):
         return self.model.optimal_share(batch_tokens)
 
     def observe_step(self, cpu_tokens: int, cpu_s: float, transfer_tokens: int, transfer_s: float) -> None:
-        self.estimator.observe_cpu(cpu_tokens, cpu_s)
-        self.estimator.observe_transfer(transfer_tokens, transfer_s)
+        """One layer of the step: the CPU partial's own seconds, the device path's wall seconds."""
+        self.estimator.observe_layer(cpu_tokens, cpu_s, transfer_tokens, transfer_s)
+
+    def end_step(self) -> None:
+        self.estimator.end_step()
 
 
 POLICY_NAMES = ("writescope", "all_transfer", "all_cpu", "fixed_half", "monolithic")
+SHARE_PREFIX = "share:"
+
+
+def is_policy_name(name) -> bool:
+    """A named policy, or share:R with R in [0, 1]."""
+    if name in POLICY_NAMES:
+        return True
+    try:
+        _parse_share(name)
+        return True
+    except ValueError:
+        return False
+
+
+def _parse_share(name) -> float:
+    if not isinstance(name, str) or not name.startswith(SHARE_PREFIX):
+        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}, or share:R with R in [0, 1]")
+    try:
+        share = float(name[len(SHARE_PREFIX):])
+    except ValueError:
+        share = math.nan
+    if not 0 <= share <= 1:
+        raise ValueError(f"policy {name!r}: R must be a number in [0, 1]")
+    return share
 
 
 def make_policy(name: str, model: PerfModel | None = None) -> Policy:
@@ -108,6 +137,8 @@ def make_policy(name: str, model: PerfModel | None = None) -> Policy:
     fixed = {"all_transfer": 0.0, "all_cpu": 1.0, "fixed_half": 0.5}
     if name in fixed:
         return FixedSharePolicy(name, fixed[name])
+    if isinstance(name, str) and name.startswith(SHARE_PREFIX):
+        return FixedSharePolicy(name, _parse_share(name))
     if name == "monolithic":
         return MonolithicPolicy()
-    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}")
+    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}, or share:R with R in [0, 1]")

@@ -95,7 +95,7 @@ def channel_round_trip_ms(q, table, lens, repeats: int) -> float:
             from writescope.actors.channel import PartialServer
 
             def zeros(layer, q, block_table, seq_lens, scale):
-                return torch.zeros(q.shape[0], q.shape[1], spec.head_dim_v), torch.zeros(q.shape[:2])
+                return torch.zeros(q.shape[0], q.shape[1], spec.head_dim_v), torch.zeros(q.shape[:2]), 0.0
 
             self.server = PartialServer(spec, zeros, num_layers=1)
 

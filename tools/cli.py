@@ -1,7 +1,9 @@
 """The `writescope` command line.
 
     writescope generate --model tiny-qwen3-moe --prompt "Hello" --max-new-tokens 32
-    writescope bench e2e --contexts 8192 --batches 1        (cpu | gpu | e2e | orchestration; the tool's flags follow)
+    writescope bench e2e --contexts 8192 --batches 1        (cpu | gpu | e2e | orchestration | split; the
+                                                             tool's flags follow)
+    writescope bench split --contexts 4096 16384 --batches 1 4
     writescope calibrate --model tiny-qwen3-moe
     writescope simulate --profiles a100-pcie-gen4
     writescope serve --model tiny-qwen3-moe --port 8000
@@ -24,7 +26,8 @@ import time
 from writescope.policies import POLICY_NAMES
 
 BENCHES = {"cpu": "writescope.tools.bench_cpu_attention", "gpu": "writescope.tools.bench_gpu_attention",
-           "e2e": "writescope.tools.bench_e2e", "orchestration": "writescope.tools.bench_orchestration"}
+           "e2e": "writescope.tools.bench_e2e", "orchestration": "writescope.tools.bench_orchestration",
+           "split": "writescope.tools.bench_split", "contention": "writescope.tools.bench_contention"}
 # Commands that are whole tools: their own parser takes the rest of the command line.
 DELEGATED = {"simulate": "writescope.tools.simulate_policies", "numa-scaling": "writescope.tools.numa_scaling",
              "batch": "writescope.actors.batch_job", "demo": "writescope.tools.demo"}
@@ -59,7 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--model", default="tiny-qwen3-moe", help="a checkpoint directory or a preset name")
     calibrate.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="KV dtype")
     calibrate.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    calibrate.add_argument("--device", default="cpu", help="cpu, or cuda (B is then a pinned host-to-GPU copy)")
+    calibrate.add_argument("--device", default="cpu", help="cpu, or cuda (the device path then runs on the GPU)")
+    calibrate.add_argument("--batch", type=int, default=4, help="sequences per step (the engine's max_batch_size)")
+    calibrate.add_argument("--max-seq-len", type=int, default=32768, help="the engine's max_seq_len")
+    calibrate.add_argument("--window-tokens", type=int, default=256, help="the engine's GPU window, in tokens")
     calibrate.add_argument("--force", action="store_true", help="measure again even if cached")
 
     serve_cmd = commands.add_parser("serve", help="run the OpenAI-compatible Serve app until Ctrl-C")
@@ -73,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--max-body-bytes", type=int, default=None,
                            help="largest request body accepted (default: 64 KiB + 32 bytes per max_seq_len token)")
 
-    bench = commands.add_parser("bench", help="a benchmark: cpu | gpu | e2e | orchestration, then its own flags")
+    bench = commands.add_parser("bench", help="a benchmark (cpu | gpu | e2e | orchestration | split | contention), "
+                                "then its own flags")
     bench.add_argument("which", choices=list(BENCHES), help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's flags (see `writescope bench X -h`)")
 
@@ -130,13 +137,14 @@ def _generate(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from writescope.calibration import AttentionShape, calibrate
-    from writescope.engine import kv_format, load_model_config
+    from writescope.engine import calibrated_model, engine_cache_config, load_model_config
 
     config, torch_dtype = load_model_config(args.model, args.dtype)
-    model = calibrate(AttentionShape(config.num_q_heads, kv_format(config, torch_dtype, args.block_size)),
-                      device=args.device, force=args.force)
-    print(json.dumps({"model": args.model, "device": args.device, **vars(model),
+    cache_config = engine_cache_config(config, torch_dtype, block_size=args.block_size, max_batch_size=args.batch,
+                                       max_seq_len=args.max_seq_len, num_shards=1, window_tokens=args.window_tokens,
+                                       pingpong_blocks=None, device=args.device)
+    model = calibrated_model(config, cache_config, args.batch, force=args.force)
+    print(json.dumps({"model": args.model, "device": args.device, "batch": args.batch, **vars(model),
                       "r_star_at_32k": model.optimal_share(32768)}, indent=2))
     return 0
 

@@ -162,6 +162,90 @@ def simulate(policy_name: str, costs: Costs, workload: Workload, *, record_curve
     )
 
 
+@dataclass(frozen=True)
+class Contention:
+    """Another tenant arrives at decode step `at_step`: the link's bandwidth (B) or the CPU's rate (A)
+    falls by `factor` (the paper's two-tenant case: H2D 25.4 -> 14.9 GB/s, B x 1.70)."""
+
+    at_step: int
+    side: str = "link"  # link | cpu
+    factor: float = 25.4 / 14.9
+
+    def __post_init__(self):
+        if self.side not in ("link", "cpu") or self.factor <= 0 or self.at_step < 0:
+            raise ValueError(f"invalid contention {self}: side link|cpu, factor > 0, at_step >= 0")
+
+    def truth(self, model: PerfModel, step: int) -> PerfModel:
+        if step < self.at_step:
+            return model
+        if self.side == "link":
+            return model.with_transfer_rate(model.transfer_s_per_token * self.factor)
+        return model.with_cpu_rate(model.cpu_s_per_token * self.factor)
+
+
+def simulate_contention(costs: Costs, workload: Workload, contention: Contention,
+                        policies: Sequence[str] = ("writescope", "writescope_frozen", *BASELINES)) -> dict:
+    """Decodes one batch step by step while the truth changes at contention.at_step; writescope is fed
+    every step's measured per-layer (tokens, seconds) of both sides through its real estimator,
+    writescope_frozen is the same policy fed only before the change (its share frozen from then).
+    Placement changes only where new blocks land. Returns per policy: the mean step before and after
+    the change, the step trace, and (writescope) the steps until its r* is within 5% of the truth's."""
+    results = {}
+    for name in policies:
+        policy = make_policy("writescope" if name == "writescope_frozen" else name, costs.model)
+        w, n = workload, workload.batch
+        cpu, xfer, window = [0] * n, [0] * n, [0] * n
+        prompt_blocks = w.prompt_tokens // w.block_tokens
+        spilled = n * prompt_blocks * w.block_tokens
+        for seq in range(n):
+            regions = policy.route_blocks(0, 0, [w.block_tokens] * prompt_blocks, spilled)
+            cpu[seq] = sum(r is Region.CPU_COMPUTE for r in regions) * w.block_tokens
+            xfer[seq] = prompt_blocks * w.block_tokens - cpu[seq]
+            window[seq] = w.prompt_tokens - prompt_blocks * w.block_tokens
+        trace, shares, converged = [], [], None
+        for step in range(w.decode_steps):
+            truth = replace(costs, model=contention.truth(costs.model, step))
+            step_s, cpu_s, gpu_s = truth.step_s(sum(cpu), sum(xfer), ships_all=policy.ships_cpu_compute)
+            trace.append(step_s)
+            if name != "writescope_frozen" or step < contention.at_step:
+                policy.observe_step(sum(cpu), cpu_s, sum(xfer), gpu_s)
+                policy.end_step()
+            load = sum(cpu) + sum(xfer)
+            shares.append(policy.share(load))
+            if name == "writescope" and step >= contention.at_step and converged is None:
+                want = truth.model.optimal_share(load)
+                if abs(shares[-1] - want) <= 0.05 * max(want, 1e-9):
+                    converged = step - contention.at_step + 1
+            for seq in range(n):
+                window[seq] += 1
+                if window[seq] >= w.window_tokens:
+                    regions = policy.route_blocks(cpu[seq], cpu[seq] + xfer[seq],
+                                                  [w.block_tokens] * (w.window_tokens // w.block_tokens),
+                                                  load + w.window_tokens)
+                    to_cpu = sum(r is Region.CPU_COMPUTE for r in regions) * w.block_tokens
+                    cpu[seq] += to_cpu
+                    xfer[seq] += w.window_tokens - to_cpu
+                    window[seq] = 0
+        before, after = trace[:contention.at_step], trace[contention.at_step:]
+        results[name] = {"mean_step_ms_before": 1e3 * sum(before) / max(1, len(before)),
+                         "mean_step_ms_after": 1e3 * sum(after) / max(1, len(after)),
+                         "final_step_ms": 1e3 * trace[-1], "share_before": shares[max(0, contention.at_step - 1)],
+                         "share_final": shares[-1], "placed_cpu_share_final": sum(cpu) / max(1, sum(cpu) + sum(xfer)),
+                         "r_star_steps_to_converge": converged, "trace_ms": [1e3 * t for t in trace[::16]]}
+    return results
+
+
+def contention_table(results: dict) -> str:
+    lines = ["| policy | mean step before (ms) | mean step after (ms) | last step (ms) | r before -> last | "
+             "placed CPU share at the end | r* within 5% after |", "|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        steps = r["r_star_steps_to_converge"]
+        lines.append(f"| {name} | {r['mean_step_ms_before']:.1f} | {r['mean_step_ms_after']:.1f} | "
+                     f"{r['final_step_ms']:.1f} | {r['share_before']:.3f} -> {r['share_final']:.3f} | "
+                     f"{r['placed_cpu_share_final']:.3f} | {'' if steps is None else f'{steps} steps'} |")
+    return "\n".join(lines)
+
+
 def costs_for(profile: HardwareProfile, shape: dict, *, contended: bool = False,
               cpu_s_per_token: float | None = None) -> Costs:
     return Costs(
@@ -413,7 +497,8 @@ def write_markdown(path: str, result: dict, command: str) -> None:
         "",
         "Not modelled: expert compute and expert-weight traffic, dense layers, the window's attention on the GPU "
         "(the same for every policy), the monolithic cache's per-step re-layout (the paper reports 185.9 ms per "
-        "layer per step at 64K), the online correction (the model here is exact, so it would not move).",
+        "layer per step at 64K). The sweep's model is exact, so its online correction would not move; the "
+        "contention run below exercises it.",
         "",
         "## Headline: geomean speedup of WriteScope over each baseline",
         "",
@@ -439,6 +524,21 @@ def write_markdown(path: str, result: dict, command: str) -> None:
         ]
         for label, res in sens.items():
             text += [f"**{label}**", "", summary_table(res["summary"]), ""]
+    c = result.get("contention")
+    if c:
+        text += [
+            "## Contention mid-run: a second tenant (through the real policy and estimator)",
+            "",
+            f"{c['model']} on {c['profile']}, batch {c['batch']}, {c['prompt_tokens'] // 1024}K -> "
+            f"{c['final_tokens'] // 1024}K tokens; at decode step {c['at_step']} the link's bandwidth falls from "
+            "25.4 to 14.9 GB/s (B x 1.70), or the CPU's attention rate halves (A x 2). writescope's estimator is fed "
+            "each step's per-layer (tokens, seconds) of both sides; writescope_frozen is the same policy with its "
+            "share frozen from before the change. Placed KV never moves: only new blocks follow the new r*.",
+            "",
+        ]
+        for side, cases in c["cases"].items():
+            text += [f"**{'link 25.4 -> 14.9 GB/s' if side == 'link' else 'CPU rate halved'}**", "",
+                     contention_table(cases), ""]
     text += [
         "## Per configuration (mean step time over all decode steps, all layers)",
         "",
@@ -521,6 +621,20 @@ def sensitivity_specs(spec: SweepSpec) -> dict[str, SweepSpec]:
     return specs
 
 
+CONTENTION_CASES = {"link": 25.4 / 14.9, "cpu": 2.0}  # the paper's H2D fall; the CPU's rate halved
+
+
+def run_contention(profile: str, model: str, batch: int, at_step: int) -> dict:
+    costs = costs_for(load_profile(profile), load_model_shape(model))
+    workload = Workload(batch, 2048, 16384)
+    if not 0 <= at_step < workload.decode_steps:
+        raise ValueError(f"--contention-step must be in [0, {workload.decode_steps}), got {at_step}")
+    return {"profile": profile, "model": model, "batch": batch, "at_step": at_step,
+            "prompt_tokens": workload.prompt_tokens, "final_tokens": workload.final_tokens,
+            "cases": {side: simulate_contention(costs, workload, Contention(at_step, side, factor))
+                      for side, factor in CONTENTION_CASES.items()}}
+
+
 def _strip_curves(res: dict) -> dict:
     return {k: v for k, v in res.items() if k != "curves"}
 
@@ -549,6 +663,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--curve-batch", type=int, default=16,
                         help="batch of the representative per-step curve plotted per model (longest length)")
     parser.add_argument("--no-sensitivity", action="store_true", help="skip the sensitivity sweeps")
+    parser.add_argument("--contention-profile", default="a100-pcie-gen4", choices=known_profiles(),
+                        help="profile of the two-tenant contention run")
+    parser.add_argument("--contention-model", default="qwen3-30b-a3b", choices=known_models(),
+                        help="model of the two-tenant contention run")
+    parser.add_argument("--contention-batch", type=int, default=16, help="batch of the contention run")
+    parser.add_argument("--contention-step", type=int, default=2048,
+                        help="decode step at which the second tenant arrives (2K -> 16K tokens in all)")
     parser.add_argument("--out", default="bench_results/simulate_policies.json", help="JSON output path")
     parser.add_argument("--md", default="docs/simulate_policies.md", help="markdown report path ('' to skip)")
     parser.add_argument("--png", default="docs/simulate_policies.png", help="PNG plot path ('' to skip)")
@@ -574,6 +695,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for label, s in sensitivity_specs(spec).items():
             sensitivity[label] = _strip_curves(run_sweep(s))
             log.info("sensitivity: %s", label)
+    contention = run_contention(args.contention_profile, args.contention_model, args.contention_batch,
+                                args.contention_step)
     runtime = time.perf_counter() - start
 
     result = {
@@ -583,6 +706,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "profiles": {name: load_profile(name).to_dict() for name in profiles},
         "main": main_result,
         "sensitivity": sensitivity,
+        "contention": contention,
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

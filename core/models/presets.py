@@ -1,5 +1,8 @@
-"""Tiny random-weight presets of the three architectures (fixed seed), with a byte-level tokenizer
-built offline: small enough for a 2-core machine, the same code paths as real checkpoints."""
+"""Random-weight presets (fixed seed), with a byte-level tokenizer built offline, on the same code
+paths as real checkpoints. TINY_PRESETS: the three architectures, small enough for a 2-core machine.
+SHAPE_PRESETS: a paper model's attention as published, with few, small experts: the regime where
+the KV dominates a decode step, as in the paper (qwen3-30b-a3b-shape: Qwen3-30B-A3B's 48 layers,
+32 query / 4 KV heads of dim 128, hidden 2048; 4 experts of 64, top 2, instead of 128 of 768, top 8)."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from writescope.models.config import ModelConfig
 EOS_TOKEN_ID = 256  # bytes are 0..255; then the special tokens
 VOCAB_SIZE = 320
 
-PRESETS = {
+TINY_PRESETS = {
     "tiny-deepseek-v2": {
         "model_type": "deepseek_v2", "vocab_size": VOCAB_SIZE, "hidden_size": 128, "intermediate_size": 256,
         "moe_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
@@ -32,6 +35,17 @@ PRESETS = {
         "eos_token_id": EOS_TOKEN_ID,
     },
 }
+
+SHAPE_PRESETS = {
+    "qwen3-30b-a3b-shape": {
+        "model_type": "qwen3_moe", "vocab_size": VOCAB_SIZE, "hidden_size": 2048, "intermediate_size": 256,
+        "moe_intermediate_size": 64, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "eos_token_id": EOS_TOKEN_ID,
+    },
+}
+
+PRESETS = {**TINY_PRESETS, **SHAPE_PRESETS}
 
 
 def preset_config(name: str) -> ModelConfig:

@@ -21,7 +21,8 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("v_cache").noconvert(), py::arg("block_table").noconvert(), py::arg("seq_lens").noconvert(),
         py::arg("out").noconvert(), py::arg("lse").noconvert(), py::kw_only(), py::arg("q_dtype"),
         py::arg("kv_dtype"), py::arg("scale"), py::arg("chunk_tokens") = 512,
-        "Decode attention over a paged head-major KV cache; writes out and lse in place.");
+        "Decode attention over a paged head-major KV cache; writes out and lse in place and returns the "
+        "kernel's seconds (a wait for the pool held by another caller excluded).");
   m.def("merge_partials", &merge_partials, py::arg("outs").noconvert(), py::arg("lses").noconvert(),
         py::arg("out").noconvert(), py::arg("lse").noconvert(),
         "Merges normalised partials by their natural-log LSE; writes out and lse in place.");

@@ -253,10 +253,10 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-void paged_attention(const py::array& q, const py::array& k_cache, const py::array& v_cache,
-                     const py::array& block_table, const py::array& seq_lens, py::array& out, py::array& lse,
-                     const std::string& q_dtype, const std::string& kv_dtype, double scale,
-                     int64_t chunk_tokens) {
+double paged_attention(const py::array& q, const py::array& k_cache, const py::array& v_cache,
+                       const py::array& block_table, const py::array& seq_lens, py::array& out, py::array& lse,
+                       const std::string& q_dtype, const std::string& kv_dtype, double scale,
+                       int64_t chunk_tokens) {
   if (chunk_tokens < 1) fail("chunk_tokens must be >= 1, got " + std::to_string(chunk_tokens));
   AttentionJob job;
   IndexCopies copies;
@@ -268,6 +268,7 @@ void paged_attention(const py::array& q, const py::array& k_cache, const py::arr
   py::gil_scoped_release release;
   Runtime& rt = runtime();
   std::lock_guard<std::mutex> lock(rt.mutex);
+  const auto started = std::chrono::steady_clock::now();  // the pool is ours from here
   job.kernels = rt.kernels;
   job.workspaces = &rt.workspaces;
   const int64_t ws_bytes = kernel_workspace_bytes(job.group_size, job.args.head_dim_qk);
@@ -275,6 +276,7 @@ void paged_attention(const py::array& q, const py::array& k_cache, const py::arr
     if (static_cast<int64_t>(ws.size()) < ws_bytes) ws.resize(ws_bytes);
   plan_items(job, chunk_tokens, out_ptr, lse_ptr, rt.chunk_partials);
   rt.pool->run(static_cast<int64_t>(job.items.size()), &run_attention_item, &job, worth_workers(job.args));
+  return seconds_since(started);
 }
 
 void merge_partials(const py::array& outs, const py::array& lses, py::array& out, py::array& lse) {

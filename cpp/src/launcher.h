@@ -13,10 +13,12 @@ namespace py = pybind11;
 // v_cache [num_blocks, num_kv_heads, block_size, head_dim_v]; block_table [num_seqs, max_blocks] int32;
 // seq_lens [num_seqs] int32; out [num_seqs, num_q_heads, head_dim_v] float32 (written);
 // lse [num_seqs, num_q_heads] float32 natural log (written), -inf for an empty sequence.
-void paged_attention(const py::array& q, const py::array& k_cache, const py::array& v_cache,
-                     const py::array& block_table, const py::array& seq_lens, py::array& out, py::array& lse,
-                     const std::string& q_dtype, const std::string& kv_dtype, double scale,
-                     int64_t chunk_tokens);
+// Returns the seconds the kernel ran, from taking the pool to its end: a wait for another caller
+// holding the pool (the other side of the split, say) is not in it.
+double paged_attention(const py::array& q, const py::array& k_cache, const py::array& v_cache,
+                       const py::array& block_table, const py::array& seq_lens, py::array& out, py::array& lse,
+                       const std::string& q_dtype, const std::string& kv_dtype, double scale,
+                       int64_t chunk_tokens);
 
 // outs [num_parts, rows, dim], lses [num_parts, rows] float32 -> out [rows, dim], lse [rows].
 void merge_partials(const py::array& outs, const py::array& lses, py::array& out, py::array& lse);

@@ -18,7 +18,7 @@ from tests.processes import abstract_sockets, processes_mapping  # noqa: E402
 from writescope.actors.local_ray import start_local_ray  # noqa: E402
 from writescope.actors.ray_engine import WorkerLostError  # noqa: E402
 from writescope.engine import Engine  # noqa: E402
-from writescope.models.presets import PRESETS  # noqa: E402
+from writescope.models.presets import TINY_PRESETS  # noqa: E402
 from writescope.policies import POLICY_NAMES  # noqa: E402
 from writescope.topology import emulated_topology, read_topology  # noqa: E402
 
@@ -42,7 +42,7 @@ def ray_engine(preset, policy, num_nodes):
 
 @pytest.mark.parametrize("num_nodes", [1, 2])
 @pytest.mark.parametrize("policy", POLICY_NAMES)
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", list(TINY_PRESETS))
 def test_ray_gives_the_local_tokens(ray_cluster, preset, policy, num_nodes):
     engine = ray_engine(preset, policy, num_nodes)
     try:

@@ -1,14 +1,31 @@
-"""Calibration measures this machine once per shape, caches it, and re-measures on demand."""
+"""Calibration times the engine's own paths once per machine and setup, caches them with their
+timings, re-measures on demand, and decides from a measurement whether the two sides overlap."""
 
-import dataclasses
 import json
+import threading
+import time
 
 import pytest
+import torch
 
 from writescope import calibration
+from writescope.cpu_partial import LocalCPUPartial
+from writescope.engine import calibrated_model, engine_cache_config, load_model_config
+from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.kv_format import KVFormat
+from writescope.perf_model import PerfModel
+from writescope.policies import make_policy
 
-SHAPE = calibration.AttentionShape(8, KVFormat(num_layers=1, num_kv_heads=2, head_dim_k=64, head_dim_v=64))
+LENGTHS = (512, 2048)
+
+
+def setup_for(fmt, num_q_heads=8, batch=2, **cache):
+    config = CacheConfig(fmt, compute_blocks_per_shard=1, transfer_blocks=1, max_seqs=1, pingpong_blocks=64,
+                         window_tokens=64, **cache)
+    return calibration.CalibrationSetup(num_q_heads, fmt.head_dim_k ** -0.5, config, batch)
+
+
+GQA = setup_for(KVFormat(num_layers=4, num_kv_heads=2, head_dim_k=64, head_dim_v=64))
 
 
 @pytest.fixture
@@ -17,33 +34,123 @@ def cache_dir(tmp_path, monkeypatch):
     return tmp_path
 
 
-def test_calibration_is_cached_per_machine_and_shape(cache_dir):
-    model = calibration.calibrate(SHAPE, lengths=(256, 2048), repeats=3)
-    assert model.cpu_s_per_token > 0 and model.transfer_s_per_token > 0
-    assert model.cpu_fixed_s >= 0 and model.gpu_fixed_s >= 0
+def test_calibration_times_both_sides_at_each_length_and_fits_them(cache_dir):
+    model = calibration.calibrate(GQA, lengths=LENGTHS, repeats=3)
+    (entry,) = json.loads((cache_dir / "calibration.json").read_text()).values()
+    timings = entry["timings"]
+    assert [t["length"] for t in timings] == list(LENGTHS)
+    for t in timings:  # every token of the batch on the side measured (prompts of whole blocks spill wholly)
+        assert t["cpu_tokens"] == t["device_tokens"] == GQA.batch * t["length"]
+        # two lengths: the fit passes through both measurements (unless noise forced a zero intercept)
+        assert model.cpu_time_s(1.0, t["cpu_tokens"]) == pytest.approx(t["cpu_s"], rel=0.5)
+        assert model.gpu_time_s(0.0, t["device_tokens"]) == pytest.approx(t["device_s"], rel=0.5)
+    longest = timings[-1]
+    hidden = longest["cpu_s"] + longest["device_s"] - longest["together_s"]
+    assert model.concurrent == (hidden >= calibration.OVERLAP_THRESHOLD * min(longest["cpu_s"], longest["device_s"]))
+
+
+def test_calibration_is_cached_per_machine_and_setup_and_forced_again(cache_dir):
+    calibration.calibrate(GQA, lengths=LENGTHS, repeats=3)
     stored = json.loads((cache_dir / "calibration.json").read_text())
-    assert len(stored) == 1
-    key = next(iter(stored))
-    assert key.startswith(calibration.machine_fingerprint("cpu")) and '"num_q_heads": 8' in key
-    # A second call reads the cache: edit it and the edit comes back.
-    stored[key]["cpu_s_per_token"] = 1.25e-7
+    (key,) = stored
+    assert key.startswith(calibration.machine_fingerprint("cpu")) and '"batch": 2' in key
+    stored[key]["model"]["cpu_s_per_token"] = 1.25e-7  # a second call reads the cache: the edit comes back
     (cache_dir / "calibration.json").write_text(json.dumps(stored))
-    assert calibration.calibrate(SHAPE).cpu_s_per_token == 1.25e-7
-    # force re-measures and overwrites.
-    remeasured = calibration.calibrate(SHAPE, force=True, lengths=(256, 2048), repeats=3)
-    assert json.loads((cache_dir / "calibration.json").read_text())[key]["cpu_s_per_token"] == \
-        remeasured.cpu_s_per_token
+    assert calibration.calibrate(GQA, lengths=LENGTHS).cpu_s_per_token == 1.25e-7
+    remeasured = calibration.calibrate(GQA, force=True, lengths=LENGTHS, repeats=3)
+    assert json.loads((cache_dir / "calibration.json").read_text())[key]["model"]["cpu_s_per_token"] == \
+        remeasured.cpu_s_per_token != 1.25e-7
+    calibration.calibrate(setup_for(GQA.cache.format, batch=1), lengths=LENGTHS, repeats=3)  # another batch
+    mla = setup_for(KVFormat(1, 1, 576, 512, v_in_k=True), num_q_heads=16)
+    calibration.calibrate(mla, lengths=LENGTHS, repeats=3)
+    assert len(json.loads((cache_dir / "calibration.json").read_text())) == 3
 
 
-def test_other_shapes_get_their_own_entry(cache_dir):
-    mla = calibration.AttentionShape(16, KVFormat(1, 1, 576, 512, v_in_k=True))
-    calibration.calibrate(SHAPE, lengths=(256, 2048), repeats=3)
-    calibration.calibrate(mla, lengths=(256, 2048), repeats=3)
-    assert len(json.loads((cache_dir / "calibration.json").read_text())) == 2
-
-
-def test_a_corrupt_cache_is_measured_again(cache_dir):
+def test_a_corrupt_or_old_cache_is_measured_again(cache_dir):
     (cache_dir / "calibration.json").write_text("{not json")
-    model = calibration.calibrate(SHAPE, lengths=(256, 2048), repeats=3)
-    stored = json.loads((cache_dir / "calibration.json").read_text())  # rewritten, valid
-    assert list(stored.values()) == [dataclasses.asdict(model)]
+    model = calibration.calibrate(GQA, lengths=LENGTHS, repeats=3)
+    (entry,) = json.loads((cache_dir / "calibration.json").read_text()).values()  # rewritten, valid
+    assert PerfModel(**entry["model"]) == model
+
+
+@pytest.mark.parametrize("lengths", [(2048,), (1024, 1024), (64, 2048)])
+def test_bad_lengths_say_what_is_allowed(cache_dir, lengths):
+    with pytest.raises(ValueError, match="two or more distinct token counts above the window"):
+        calibration.calibrate(GQA, lengths=lengths)
+
+
+def test_on_a_cpu_only_host_the_paper_shape_puts_its_kv_on_the_cpu(cache_dir):
+    """The device is the CPU: the sides share its cores and memory, so a layer costs their sum, and
+    the CPU partial (no second path) is at least as cheap: r* >= 0.9 on qwen3-30b-a3b-shape."""
+    config, dtype = load_model_config("qwen3-30b-a3b-shape", "bfloat16")
+    assert (config.num_layers, config.num_q_heads, config.num_kv_heads, config.head_dim, config.hidden_size) == \
+        (48, 32, 4, 128, 2048)
+    cache_config = engine_cache_config(config, dtype, block_size=16, max_batch_size=4, max_seq_len=16384,
+                                       num_shards=1, window_tokens=256, pingpong_blocks=None, device="cpu")
+    model = calibrated_model(config, cache_config, max_batch_size=4)
+    assert not model.concurrent
+    for tokens in (8192, 65536, 1 << 20):
+        assert model.optimal_share(tokens) >= 0.9
+
+
+def test_a_wait_for_the_kernel_pool_is_not_counted_as_cpu_compute():
+    """Another caller holds the C++ pool (a long kernel in a loop): the CPU partial's reported
+    seconds stay its own kernel's, and the A the policy learns from them does not move."""
+    fmt = KVFormat(num_layers=1, num_kv_heads=2, head_dim_k=64, head_dim_v=64)
+    config = CacheConfig(fmt, compute_blocks_per_shard=64, transfer_blocks=1, max_seqs=1, pingpong_blocks=1,
+                         window_tokens=16)
+    with InplaceKVCache(config, make_policy("all_cpu")) as cache:
+        cache.admit("s", prompt_len=1024, max_new_tokens=1)
+        cache.write_prefill("s", 0, *[torch.randn(2, 1024, 64).to(fmt.torch_dtype) for _ in "kv"])
+        view = cache.step_view(["s"], pending_tokens=0)
+        partial = LocalCPUPartial(cache)
+        q = torch.randn(1, 8, 64)
+        alone = sorted(partial.attend(0, q, view, 0.125).result().seconds for _ in range(9))[4]
+
+        blocker = _LongKernel()
+        blocker.start()
+        try:
+            walls, seconds = [], []
+            for _ in range(9):
+                time.sleep(0.01)  # the blocker's next long kernel starts meanwhile: this call must wait for it
+                began = time.perf_counter()
+                seconds.append(partial.attend(0, q, view, 0.125).result().seconds)
+                walls.append(time.perf_counter() - began)
+        finally:
+            blocker.stop()
+    wall, own = sorted(walls)[4], sorted(seconds)[4]
+    assert wall > 5 * own, (wall, own)  # it did wait for the pool
+    assert own < 3 * alone + 1e-3, (own, alone)
+    policy = make_policy("writescope", PerfModel(alone / 1024, alone / 1024, 0.0, 0.0, concurrent=False))
+    for own_s in seconds:
+        policy.observe_step(1024, own_s, 0, 0.0)
+        policy.end_step()
+    assert policy.model.cpu_s_per_token < 3 * alone / 1024 + 1e-6
+
+
+class _LongKernel:
+    """A thread running a long C++ kernel over and over: it holds the pool most of the time."""
+
+    def __init__(self):
+        from writescope import ops
+
+        tokens = 1 << 18
+        kv = [torch.randn(tokens // 16, 2, 16, 64).to(torch.bfloat16) for _ in "kv"]
+        self._args = (torch.randn(4, 8, 64), *kv,
+                      torch.arange(tokens // 16, dtype=torch.int32)[None].expand(4, -1).contiguous(),
+                      torch.full((4,), tokens, dtype=torch.int32))
+        self._attend = ops.cpu_paged_attention_timed
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self._attend(*self._args, 0.125)
+
+    def start(self):
+        self._thread.start()
+        time.sleep(0.05)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()

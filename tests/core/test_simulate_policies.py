@@ -238,7 +238,7 @@ def test_sweep_summary_and_reports(tmp_path):
         assert summary["baselines"][b]["geomean"] == pytest.approx(math.sqrt(values[0] * values[1]))
     assert json.loads(out.read_text())["main"]["rows"] == json.loads(json.dumps(rows))
     text = md.read_text()
-    assert "1.52-2.51x" in text and "a100-pcie-gen4" in text
+    assert "1.52-2.51x" in text and "a100-pcie-gen4" in text and "writescope_frozen" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 300_000
 
 
@@ -251,3 +251,29 @@ def test_calibrated_cpu_bandwidth_flows_into_the_sweep():
     default = sim.run_sweep(sim.SweepSpec(profiles=("a100-pcie-gen4",), models=("mixtral-8x7b",), batches=(4,),
                                           final_tokens=(4096,)))["rows"][0]["r_star_final"]
     assert slower_cpu < default
+
+
+# ---------------------------------------------------------------- contention mid-run
+
+
+@pytest.mark.parametrize("side,factor", [("link", 25.4 / 14.9), ("cpu", 2.0)])
+def test_writescope_rebalances_within_ten_steps_and_beats_its_frozen_share(side, factor):
+    """The paper's two-tenant case on the A100 profile, through the real policy and estimator."""
+    costs = sim.costs_for(load_profile("a100-pcie-gen4"), load_model_shape("qwen3-30b-a3b"))
+    contention = sim.Contention(at_step=1024, side=side, factor=factor)
+    results = sim.simulate_contention(costs, sim.Workload(8, 2048, 8192), contention)
+    ws, frozen = results["writescope"], results["writescope_frozen"]
+    assert ws["mean_step_ms_before"] == pytest.approx(frozen["mean_step_ms_before"])  # the same until the change
+    assert ws["r_star_steps_to_converge"] is not None and ws["r_star_steps_to_converge"] <= 10
+    assert ws["mean_step_ms_after"] < frozen["mean_step_ms_after"]
+    moved = ws["share_final"] - ws["share_before"]
+    assert moved > 0 if side == "link" else moved < 0  # a slower link: more on the CPU; a slower CPU: less
+    for baseline in sim.BASELINES:
+        assert ws["mean_step_ms_after"] <= results[baseline]["mean_step_ms_after"]
+
+
+def test_contention_arguments_are_checked():
+    with pytest.raises(ValueError, match="side link|cpu"):
+        sim.Contention(at_step=10, side="disk")
+    with pytest.raises(ValueError, match="--contention-step"):
+        sim.run_contention("a100-pcie-gen4", "qwen3-30b-a3b", 4, 10**9)

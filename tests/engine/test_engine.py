@@ -10,7 +10,7 @@ import torch
 from writescope.block_allocator import CapacityError
 from writescope.engine import Engine
 from writescope.graph import LAYER_OPS, build_decode_graph
-from writescope.models.presets import EOS_TOKEN_ID, PRESETS, byte_level_tokenizer
+from writescope.models.presets import EOS_TOKEN_ID, TINY_PRESETS, byte_level_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,7 +25,7 @@ def small_engine(preset="tiny-qwen3-moe", **kwargs):
     return Engine.from_pretrained(preset, **options)
 
 
-@pytest.mark.parametrize("preset", list(PRESETS))
+@pytest.mark.parametrize("preset", list(TINY_PRESETS))
 def test_presets_generate_text_from_text(preset):
     engine = small_engine(preset)
     try:

@@ -35,7 +35,8 @@ def test_every_flag_of_the_cli_has_help():
 
 
 @pytest.mark.parametrize("command", [["generate"], ["calibrate"], ["serve"], ["bench", "cpu"], ["bench", "e2e"],
-                                     ["bench", "orchestration"], ["simulate"], ["numa-scaling"], ["batch"]])
+                                     ["bench", "orchestration"], ["bench", "split"], ["simulate"], ["numa-scaling"],
+                                     ["batch"]])
 def test_every_command_answers_help(command, capsys):
     with pytest.raises(SystemExit) as done:
         main([*command, "--help"])
