@@ -34,24 +34,19 @@ class GPUWorker:
                  max_waiting: int = 64):
         from writescope.actors.ray_engine import ChannelExecutor  # noqa: F401 - registers "channel"
         from writescope.actors.scheduler import RemotePolicy
-        from writescope.engine import Engine, calibrated_model, engine_cache_config, load_model_config
+        from writescope.engine import PROVISIONAL_MODEL, Engine
 
         options = dict(options)
         policy_name = options.pop("policy")
-        model_fit = None
-        if policy_name == "writescope":
-            config, torch_dtype = load_model_config(path_or_preset, options.get("dtype"))
-            cache_config = engine_cache_config(
-                config, torch_dtype, block_size=options["block_size"], max_batch_size=options["max_batch_size"],
-                max_seq_len=options["max_seq_len"], num_shards=len(channel_specs),
-                window_tokens=options["window_tokens"], pingpong_blocks=options["pingpong_blocks"],
-                device=options["device"])
-            model_fit = calibrated_model(config, cache_config, options["max_batch_size"])
-        snapshot = ray.get(scheduler.configure.remote(policy_name, model_fit))
+        learns = policy_name == "writescope"
+        snapshot = ray.get(scheduler.configure.remote(policy_name, PROVISIONAL_MODEL if learns else None))
         self.engine = Engine.from_pretrained(path_or_preset, executor="channel",
                                              executor_options={"specs": channel_specs},
                                              policy=RemotePolicy(scheduler, snapshot), region_handles=region_handles,
                                              num_shards=len(channel_specs), **options)
+        if learns:  # timed here, through the CPU workers' channels: the CPU partial as this engine pays it
+            model_fit = self.engine.calibrate()
+            self.engine.policy.reset(ray.get(scheduler.calibrated.remote(model_fit)))
         if options.get("device", "cpu") == "cpu":
             # Ray sets OMP_NUM_THREADS=1 for an actor of num_cpus=0. With no GPU the prefill's matmuls
             # run here on the CPU: on every CPU, while decode keeps one torch thread (more would

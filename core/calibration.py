@@ -1,22 +1,23 @@
 """Calibration of the perf model on the machine it runs on, through the paths the engine runs.
 
-One layer of the engine's own cache (an InplaceKVCache of the same format, window, ping-pong and
-device, with random KV) holds `batch` sequences at each of two or more lengths, placed once all on
-cpu_compute and once all on cpu_transfer. Timed there:
-  CPU side     the CPU partial of a layer (LocalCPUPartial: the C++ kernel over cpu_compute, with
-               its dispatch and merge), fitted to seconds = A * tokens + C_cpu;
+On the engine's own cache, its CPU partial and its executor's way of running the two sides:
+`batch` sequences of random KV at each of two or more lengths are placed half on cpu_compute and
+half on cpu_transfer (a share:0.5 placement), and layer 0 of them is timed:
+  CPU side     the engine's CPU partial (`attend` ... `result()`: in this process the C++ kernel
+               over the shards, under Ray a request to every CPU worker and their answers), fitted
+               to seconds = A * tokens + C_cpu; the part of it outside the kernel's own seconds is
+               C_dispatch (a channel's round trip), which the online observations do not contain;
   device side  the layer's whole device path (`split.device_side`: ping-pong copies, launches and
                the device partial over window + chunks), fitted to seconds = B * tokens + C_gpu;
-  both at once the CPU side on a thread while the device side runs on the caller: whether the host
-               overlaps them (a GPU beside the CPU) or they share its cores and memory (the device
-               is the CPU) is decided from this, not assumed (PerfModel.concurrent).
-Results are cached per machine, shape and setup in a JSON file, with the timings they came from,
-and re-measured on demand (`force=True`).
+  both         as a decode step runs them (the CPU partial sent, or on a worker thread where the
+               executor has one, then the device path, then the CPU partial's result): the overlap
+               is the share of the shorter side this hides, measured, not assumed (PerfModel.overlap).
+Results are cached per machine and setup in a JSON file, with the timings they came from, and
+re-measured on demand (`force=True`). The cache must be empty: calibration runs before any request.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -34,31 +35,38 @@ from writescope.perf_model import PerfModel
 
 log = logging.getLogger(__name__)
 
-# The sides overlap when running them together hides at least this much of the shorter one.
-OVERLAP_THRESHOLD = 0.5
-DEFAULT_LENGTHS = (2048, 16384)  # tokens per sequence
+MAX_BATCH = 4  # the per-token costs hardly change beyond it
+LONGEST = 16384  # tokens per sequence at the longer length (the engine's max_seq_len if lower)
 
 
 @dataclass(frozen=True)
 class CalibrationSetup:
-    """What the timings depend on besides the machine: the attention's shape and the engine's cache
-    (format, window, ping-pong, device, shards), and the batch measured (the engine's, at most 4)."""
+    """What the timings depend on besides the machine: the attention's shape, the engine's cache
+    (format, window, ping-pong, device, shards), how its CPU partial runs, and the batch measured."""
 
     num_q_heads: int
     scale: float
-    cache: object  # an inplace_kv_cache.CacheConfig: the engine's
     batch: int
+    cpu_partial: str  # the CPU partial's kind (local kernel, CPU workers' channels)
+    cpu_in_thread: bool  # the executor runs the CPU partial on a worker thread beside the device path
 
-    def __post_init__(self):
-        if self.num_q_heads < 1 or self.batch < 1:
-            raise ValueError(f"num_q_heads and batch must be >= 1, got {self.num_q_heads} and {self.batch}")
-
-    def key(self) -> str:
-        c = self.cache
-        return json.dumps({"num_q_heads": self.num_q_heads, "batch": self.batch, "window_tokens": c.window_tokens,
+    def key(self, cache_config) -> str:
+        c = cache_config
+        return json.dumps({"num_q_heads": self.num_q_heads, "batch": self.batch, "cpu_partial": self.cpu_partial,
+                           "cpu_in_thread": self.cpu_in_thread, "window_tokens": c.window_tokens,
                            "pingpong_blocks": c.pingpong_blocks, "num_shards": c.num_shards,
                            "device": str(c.device), "in_place": c.transfer_in_place, **c.format.to_dict()},
                           sort_keys=True)
+
+
+def default_lengths(max_seq_len: int, block_size: int) -> tuple[int, int]:
+    """Two lengths of whole blocks that an engine of max_seq_len admits: the longer up to LONGEST."""
+    longest = min(LONGEST, (max_seq_len - 1) // block_size * block_size)
+    shortest = max(2 * block_size, longest // 8 // block_size * block_size)
+    if longest <= shortest:
+        raise ValueError(f"max_seq_len {max_seq_len} leaves no two lengths of whole blocks of {block_size} "
+                         f"tokens to calibrate at: give the engine at least {3 * block_size + 1} tokens")
+    return shortest, longest
 
 
 def machine_fingerprint(device: str) -> str:
@@ -81,85 +89,97 @@ def cache_path() -> str:
     return os.path.join(root, "calibration.json")
 
 
-def calibrate(setup: CalibrationSetup, *, force: bool = False, lengths: tuple[int, ...] = DEFAULT_LENGTHS,
-              repeats: int = 9) -> PerfModel:
-    """The PerfModel of one layer's attention for this setup on this machine (cached)."""
-    if len(lengths) < 2 or len(set(lengths)) != len(lengths) or min(lengths) <= setup.cache.window_tokens:
-        raise ValueError(f"lengths must be two or more distinct token counts above the window "
-                         f"({setup.cache.window_tokens}), got {lengths}")
+def calibrate(cache, cpu_partial, setup: CalibrationSetup, *, force: bool = False,
+              lengths: tuple[int, ...] | None = None, repeats: int = 9) -> PerfModel:
+    """The PerfModel of one layer's attention through this (empty) cache and CPU partial (cached)."""
+    if cache.seqs:
+        raise ValueError("calibration needs an empty cache: it runs before the engine takes requests")
+    block_size = cache.config.format.block_size
+    lengths = tuple(lengths or default_lengths(cache.config.max_blocks_per_seq * block_size, block_size))
+    if len(lengths) < 2 or len(set(lengths)) != len(lengths) or min(lengths) < 2 * block_size:
+        raise ValueError(f"lengths must be two or more distinct token counts of at least two blocks "
+                         f"({2 * block_size} tokens), got {lengths}")
     path = cache_path()
-    key = f"{machine_fingerprint(str(setup.cache.device))}:{setup.key()}"
+    key = f"{machine_fingerprint(str(cache.config.device))}:{setup.key(cache.config)}:{sorted(lengths)}"
     cached = _load(path)
-    if not force and isinstance(cached.get(key), dict) and "model" in cached[key]:
-        return PerfModel(**cached[key]["model"])
-    timings = measure(setup, lengths, repeats)
-    a, c_cpu = _fit([t["cpu_tokens"] for t in timings], [t["cpu_s"] for t in timings])
-    b, c_gpu = _fit([t["device_tokens"] for t in timings], [t["device_s"] for t in timings])
-    longest = timings[-1]
-    hidden = longest["cpu_s"] + longest["device_s"] - longest["together_s"]
-    concurrent = hidden >= OVERLAP_THRESHOLD * min(longest["cpu_s"], longest["device_s"])
-    model = PerfModel(cpu_s_per_token=a, transfer_s_per_token=b, cpu_fixed_s=c_cpu, gpu_fixed_s=c_gpu,
-                      concurrent=concurrent)
-    log.info("calibrated on %s, batch %d: %s (timings %s)", setup.cache.device, setup.batch, model, timings)
+    if not force and key in cached:
+        try:
+            return PerfModel(**cached[key]["model"])
+        except (KeyError, TypeError, ValueError):  # written by an older version: measure again
+            pass
+    timings = measure(cache, cpu_partial, setup, sorted(lengths), repeats)
+    model = fit(timings)
+    log.info("calibrated on %s, batch %d: %s (timings %s)", cache.config.device, setup.batch, model, timings)
     cached[key] = {"model": asdict(model), "timings": timings}
     _store(path, cached)
     return model
 
 
-def measure(setup: CalibrationSetup, lengths, repeats: int) -> list[dict]:
-    """Per length: the tokens each side attended and the median seconds of the CPU side alone, the
-    device side alone (each placed wholly on its side) and both together."""
-    from writescope.cpu_partial import LocalCPUPartial
-    from writescope.inplace_kv_cache import InplaceKVCache
-    from writescope.policies import make_policy
-
-    config = _one_layer_config(setup.cache, setup.batch, lengths)
-    fmt = config.format
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(setup.batch, setup.num_q_heads, fmt.head_dim_k, generator=generator).to(fmt.torch_dtype)
-    with InplaceKVCache(config, make_policy("all_cpu")) as on_cpu, \
-            InplaceKVCache(config, make_policy("all_transfer")) as on_device:
-        cpu_partial = LocalCPUPartial(on_cpu)
-        return [_time_sides(on_cpu, on_device, cpu_partial, q, setup.scale, length, setup.batch, generator, repeats)
-                for length in lengths]
+def fit(timings: list[dict]) -> PerfModel:
+    a, c_cpu = _fit([t["cpu_tokens"] for t in timings], [t["cpu_s"] for t in timings])
+    b, c_gpu = _fit([t["device_tokens"] for t in timings], [t["device_s"] for t in timings])
+    longest = timings[-1]
+    hidden = longest["cpu_s"] + longest["device_s"] - longest["together_s"]
+    overlap = min(1.0, max(0.0, hidden / min(longest["cpu_s"], longest["device_s"])))
+    dispatch = min(c_cpu, max(0.0, statistics.median(t["cpu_s"] - t["cpu_kernel_s"] for t in timings)))
+    return PerfModel(cpu_s_per_token=a, transfer_s_per_token=b, cpu_fixed_s=c_cpu, gpu_fixed_s=c_gpu,
+                     overlap=overlap, cpu_dispatch_s=dispatch)
 
 
-def _time_sides(on_cpu, on_device, cpu_partial, q, scale: float, length: int, batch: int, generator,
-                repeats: int) -> dict:
+def measure(cache, cpu_partial, setup: CalibrationSetup, lengths, repeats: int) -> list[dict]:
+    """Per length: the tokens on each side, and the median seconds of the CPU side alone (wall, and
+    the kernel's own as the partial reports them), the device side alone, and both as a step runs them."""
+    from writescope.policies import FixedSharePolicy
+
+    placing = cache.policy
+    cache.policy = FixedSharePolicy("calibration", 0.5)  # half of every sequence on each side
+    try:
+        generator = torch.Generator().manual_seed(0)
+        return [_time_sides(cache, cpu_partial, setup, length, generator, repeats) for length in lengths]
+    finally:
+        cache.policy = placing
+
+
+def _time_sides(cache, cpu_partial, setup: CalibrationSetup, length: int, generator, repeats: int) -> dict:
     from writescope.split import device_side
 
-    device = torch.device(on_device.config.device)
+    fmt, device = cache.config.format, torch.device(cache.config.device)
     backend = "triton" if device.type == "cuda" else "cpu"
+    q = torch.randn(setup.batch, setup.num_q_heads, fmt.head_dim_k, generator=generator).to(fmt.torch_dtype)
     q_device = q.to(device)
-    cpu_ids = _fill(on_cpu, length, batch, generator)
-    device_ids = _fill(on_device, length, batch, generator)
-    cpu_view = on_cpu.step_view(cpu_ids, pending_tokens=0)
+    ids = _fill(cache, length, setup.batch, generator)
+    try:
+        view = cache.step_view(ids, pending_tokens=0)
+        kernel_s = []
 
-    def cpu_side():
-        cpu_partial.attend(0, q, cpu_view, scale).result()
+        def cpu_side():
+            kernel_s.append(cpu_partial.attend(0, q, view, setup.scale).result().seconds)
 
-    def device_path():
-        view = on_device.step_view(device_ids, pending_tokens=0)  # a new view: its own ping-pong key
-        on_device.start_transfer(0, view)
-        device_side(on_device, 0, view, q_device, scale, backend)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        def device_path():
+            fresh = cache.step_view(ids, pending_tokens=0)  # its own ping-pong key, as each step has
+            cache.start_transfer(0, fresh)
+            device_side(cache, 0, fresh, q_device, setup.scale, backend)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
-    def together():
-        thread = threading.Thread(target=cpu_side)
-        thread.start()
-        device_path()
-        thread.join()
+        def together():
+            if setup.cpu_in_thread:
+                thread = threading.Thread(target=cpu_side)
+                thread.start()
+                device_path()
+                thread.join()
+                return
+            pending = cpu_partial.attend(0, q, view, setup.scale)  # sent (CPU workers), or done here
+            device_path()
+            pending.result()
 
-    cpu_s, device_s, together_s = interleaved_median_s([cpu_side, device_path, together], repeats)
-    timing = {"length": length, "cpu_tokens": cpu_view.compute_tokens,
-              "device_tokens": on_device.step_view(device_ids, pending_tokens=0).transfer_tokens,
-              "cpu_s": cpu_s, "device_s": device_s, "together_s": together_s}
-    for seq_id in cpu_ids:
-        on_cpu.finish(seq_id)
-    for seq_id in device_ids:
-        on_device.finish(seq_id)
-    return timing
+        cpu_s, device_s, together_s = interleaved_median_s([cpu_side, device_path, together], repeats)
+        return {"length": length, "cpu_tokens": view.compute_tokens, "device_tokens": view.transfer_tokens,
+                "cpu_s": cpu_s, "cpu_kernel_s": statistics.median(kernel_s), "device_s": device_s,
+                "together_s": together_s}
+    finally:
+        for seq_id in ids:
+            cache.finish(seq_id)
 
 
 def interleaved_median_s(fns, repeats: int, warmup: int = 1) -> list[float]:
@@ -177,27 +197,24 @@ def interleaved_median_s(fns, repeats: int, warmup: int = 1) -> list[float]:
     return [statistics.median(samples) for samples in times]
 
 
-def _one_layer_config(cache_config, batch: int, lengths):
-    """The engine's cache config cut to one layer and sized for `batch` sequences of the longest length."""
-    blocks_per_seq = -(-max(lengths) // cache_config.format.block_size)
-    blocks = batch * blocks_per_seq
-    return dataclasses.replace(
-        cache_config, format=dataclasses.replace(cache_config.format, num_layers=1), max_seqs=batch,
-        compute_blocks_per_shard=-(-blocks // cache_config.num_shards), transfer_blocks=blocks,
-        max_blocks_per_seq=blocks_per_seq, pingpong_blocks=min(cache_config.pingpong_blocks, blocks))
-
-
 def _fill(cache, length: int, batch: int, generator) -> list:
-    """batch sequences of `length` random tokens of KV, placed by the cache's policy; their ids."""
+    """batch sequences of `length` tokens of random KV in every layer (the same values in each: the
+    cost does not depend on them), placed by the cache's policy; their ids."""
     fmt = cache.config.format
+    arrays = [torch.randn(fmt.num_kv_heads, length, dim, generator=generator).to(fmt.torch_dtype)
+              for dim in fmt.stored_dims]
     ids = []
-    for index in range(batch):
-        seq_id = f"calibration-{length}-{index}"
-        cache.admit(seq_id, prompt_len=length, max_new_tokens=1)
-        arrays = [torch.randn(fmt.num_kv_heads, length, dim, generator=generator).to(fmt.torch_dtype)
-                  for dim in fmt.stored_dims]
-        cache.write_prefill(seq_id, 0, *arrays)
-        ids.append(seq_id)
+    try:
+        for index in range(batch):
+            seq_id = f"calibration-{length}-{index}"
+            cache.admit(seq_id, prompt_len=length, max_new_tokens=1)
+            ids.append(seq_id)
+            for layer in range(fmt.num_layers):
+                cache.write_prefill(seq_id, layer, *arrays)
+    except BaseException:
+        for seq_id in ids:
+            cache.finish(seq_id)
+        raise
     return ids
 
 

@@ -34,6 +34,7 @@ from writescope.models.config import ModelConfig
 from writescope.models.layers import causal_attention
 from writescope.models.moe_model import MoEModel
 from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
+from writescope.perf_model import PerfModel
 from writescope.policies import POLICY_NAMES, Policy, is_policy_name, make_policy
 from writescope.prompts import PromptEncoder
 from writescope.sampling import FAILED, SamplingParams, make_generator, sample
@@ -220,18 +221,33 @@ class Engine:
         if executor == "local":  # a GPU beside the CPU: the two sides of the split run at once
             executor_options.setdefault("concurrent", model.device.type != "cpu")
         executor_obj = make_executor(executor, **executor_options)
-        if not isinstance(policy, Policy):
-            model_fit = calibrated_model(model.config, cache_config, max_batch_size) if policy == "writescope" \
-                else None
-            policy = make_policy(policy, model_fit)
+        calibrate = policy == "writescope"
+        if not isinstance(policy, Policy):  # writescope: a provisional model until calibrate() below
+            policy = make_policy(policy, PROVISIONAL_MODEL if calibrate else None)
         cache = InplaceKVCache(cache_config, policy, region_handles=region_handles)
         try:
-            return cls(model, tokenizer, policy=policy, cache=cache, executor=executor_obj,
-                       max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+            engine = cls(model, tokenizer, policy=policy, cache=cache, executor=executor_obj,
+                         max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+            if calibrate:
+                policy.estimator.reset_to(engine.calibrate())
+            return engine
         except BaseException:  # the executor's CPU partial could not be made (a CPU worker's channel, say)
             cache.close()  # the shared-memory regions must not outlive a failed construction
             executor_obj.shutdown()
             raise
+
+    def calibrate(self, *, force: bool = False, lengths: tuple[int, ...] | None = None) -> PerfModel:
+        """The PerfModel of this engine's attention on this machine, timed on its own cache, CPU
+        partial and executor (see writescope.calibration): measured once per setup, then cached.
+        Before any request: the cache must be empty."""
+        from writescope.calibration import MAX_BATCH, CalibrationSetup, calibrate
+
+        setup = CalibrationSetup(self.config.num_q_heads, self.config.attention_scale,
+                                 batch=min(self.max_batch_size, MAX_BATCH),
+                                 cpu_partial=type(self.cpu_partial).__name__,
+                                 cpu_in_thread=getattr(self.executor, "concurrent", False))
+        with torch.inference_mode():
+            return calibrate(self.cache, self.cpu_partial, setup, force=force, lengths=lengths)
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -612,6 +628,9 @@ def kv_format(config: ModelConfig, torch_dtype, block_size: int):
     return config.kv_format(kv_dtype, block_size)
 
 
+# The writescope policy's model until the engine is calibrated (from_model replaces it at once).
+PROVISIONAL_MODEL = PerfModel(1e-9, 1e-9)
+
 # One ping-pong buffer's default ceiling: it then holds a whole layer's cpu_transfer blocks of the
 # batch (one fill, one device partial per layer) unless they pass this many bytes.
 PINGPONG_BUFFER_BYTES = 512 * 2**20
@@ -632,15 +651,3 @@ def engine_cache_config(config: ModelConfig, torch_dtype, *, block_size: int, ma
                        max_blocks_per_seq=blocks_per_seq)
 
 
-# The batch calibration measures at most: the per-token costs it fits hardly change beyond it.
-CALIBRATION_MAX_BATCH = 4
-
-
-def calibrated_model(config: ModelConfig, cache_config: CacheConfig, max_batch_size: int, *, force: bool = False):
-    """The PerfModel of this model's attention through this cache on this machine, timed on the
-    paths the engine runs (see writescope.calibration): measured once, then cached."""
-    from writescope.calibration import CalibrationSetup, calibrate
-
-    setup = CalibrationSetup(config.num_q_heads, config.attention_scale, cache_config,
-                             batch=min(max_batch_size, CALIBRATION_MAX_BATCH))
-    return calibrate(setup, force=force)

@@ -1,20 +1,25 @@
 """The roofline model of one layer's attention per decode step, and the CPU share that balances it.
 
 For L tokens of KV outside the GPU window and a CPU share r, as the engine pays them:
-    CPU side    ~ r * L * A + C_cpu        A: the CPU partial of a layer (the kernel over cpu_compute,
-                                           dispatch included), per token; C_cpu: its fixed cost
-    device side ~ (1 - r) * L * B + C_gpu  B: the layer's whole device path (ping-pong copies,
-                                           launches, the device partial over window + chunks), per
-                                           token; C_gpu: its fixed cost (the window among it)
-Whether the two sides run at once is a fact of the host, measured at calibration (`concurrent`):
-    concurrent (a GPU beside the CPU)   layer = max(CPU, device), and r* equalises them:
-                                        r* = (B L + C_gpu - C_cpu) / ((A + B) L), clipped to [0, 1]
-    not (the device is the CPU itself)  layer = CPU + device, linear in r: r* goes to the cheaper
-                                        side; within TIE_TOLERANCE it is the CPU side (r* = 1). There
-                                        the device path attends cpu_transfer in place with the same
-                                        kernel: A / B measured 0.71-1.06 across the presets on a Xeon
-                                        host, a spread of layout and noise, not of cost; r = 1 keeps
-                                        the KV on one path, which a GPU added later would not copy.
+    CPU side    c(r) = r * L * A + C_cpu       A: the CPU partial of a layer (the kernel over
+                                               cpu_compute), per token; C_cpu: its fixed cost (with
+                                               the dispatch, C_dispatch, which only calibration sees)
+    device side d(r) = (1 - r) * L * B + C_gpu B: the layer's whole device path (ping-pong copies,
+                                               launches, the device partial over window + chunks),
+                                               per token; C_gpu: its fixed cost (the window among it)
+How much of the two sides runs at once is a fact of the host, measured at calibration (`overlap`,
+the share of the shorter side hidden behind the longer when both run as the engine runs them):
+    layer(r) = c(r) + d(r) - overlap * min(c(r), d(r))
+    overlap 1 (a GPU beside the CPU)   the max of the two: r* equalises them,
+                                       r_b = (B L + C_gpu - C_cpu) / ((A + B) L), clipped to [0, 1]
+    overlap 0 (the device is the CPU)  their sum, linear in r: r* is the cheaper side
+    in between (CPU workers in other processes on the same cores) a kink at r_b: r* is 0, 1 or r_b.
+Where the sides mostly share the host (overlap < SHARED_BELOW), the end is the CPU side (r* = 1)
+unless the device side is cheaper by more than TIE_TOLERANCE: there the device path attends
+cpu_transfer in place with the same kernel (A / B measured 0.71-1.06 across the presets on a Xeon
+host: layout and noise), and r = 1 keeps the KV on one path; the balance point replaces that end
+only when the overlap makes it cheaper by MIN_BALANCE_GAIN (CPU workers in their own processes on
+the same cores: overlap 0.13 measured, the balance ~8% cheaper).
 """
 
 from __future__ import annotations
@@ -23,23 +28,36 @@ import math
 from dataclasses import dataclass, field, replace
 
 TIE_TOLERANCE = 0.15
+SHARED_BELOW = 0.5  # overlap under which the sides count as sharing the host
+MIN_BALANCE_GAIN = 0.03  # on a shared host, what the balance point must save over the chosen end
 
 
 @dataclass(frozen=True)
 class PerfModel:
     cpu_s_per_token: float  # A
     transfer_s_per_token: float  # B: the device path per token (its name from when it was the copy alone)
-    cpu_fixed_s: float = 0.0  # C_cpu
+    cpu_fixed_s: float = 0.0  # C_cpu (C_dispatch included)
     gpu_fixed_s: float = 0.0  # C_gpu
-    concurrent: bool = True  # the two sides overlap (a layer costs the max), else they add up
+    overlap: float = 1.0  # share of the shorter side hidden behind the longer: 1 overlapped, 0 one after the other
+    cpu_dispatch_s: float = 0.0  # C_dispatch: the part of C_cpu outside the kernel's own seconds (a channel's
+    #                              round trip), which the online observations do not contain
 
     def __post_init__(self):
-        for name in ("cpu_s_per_token", "transfer_s_per_token", "cpu_fixed_s", "gpu_fixed_s"):
+        for name in ("cpu_s_per_token", "transfer_s_per_token", "cpu_fixed_s", "gpu_fixed_s", "cpu_dispatch_s"):
             value = getattr(self, name)
             if not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if self.cpu_s_per_token + self.transfer_s_per_token <= 0:
             raise ValueError("cpu_s_per_token + transfer_s_per_token must be > 0")
+        if not 0 <= self.overlap <= 1:
+            raise ValueError(f"overlap must be in [0, 1], got {self.overlap}")
+        if self.cpu_dispatch_s > self.cpu_fixed_s:
+            raise ValueError(f"cpu_dispatch_s ({self.cpu_dispatch_s}) is part of cpu_fixed_s ({self.cpu_fixed_s})")
+
+    @property
+    def shares_host(self) -> bool:
+        """The two sides mostly run one after the other (the device is the CPU itself)."""
+        return self.overlap < SHARED_BELOW
 
     def cpu_time_s(self, share: float, num_tokens: int) -> float:
         return share * num_tokens * self.cpu_s_per_token + self.cpu_fixed_s
@@ -48,19 +66,35 @@ class PerfModel:
         return (1 - share) * num_tokens * self.transfer_s_per_token + self.gpu_fixed_s
 
     def step_time_s(self, share: float, num_tokens: int) -> float:
-        """One layer's attention: the slower side when they overlap, their sum when they share the cores."""
+        """One layer's attention: both sides, less the part of the shorter one that overlaps."""
         cpu, device = self.cpu_time_s(share, num_tokens), self.gpu_time_s(share, num_tokens)
-        return max(cpu, device) if self.concurrent else cpu + device
+        return cpu + device - self.overlap * min(cpu, device)
 
     def optimal_share(self, num_tokens: int) -> float:
-        """r* for num_tokens of KV outside the window (0 when there is none)."""
+        """r* for num_tokens of KV outside the window (0 when there is none). step_time_s is piecewise
+        linear in r with one kink where the sides balance, so its minimum is there or at an end."""
         if num_tokens <= 0:
             return 0.0
+        shares = self.candidate_shares(num_tokens)
+        return shares[self.choice(num_tokens)]
+
+    def candidate_shares(self, num_tokens: int) -> dict[str, float]:
+        """The shares r* can be: the device end, the CPU end, the balance point (clipped to [0, 1])."""
         a, b = self.cpu_s_per_token, self.transfer_s_per_token
-        if not self.concurrent:
-            return 1.0 if a <= b * (1 + TIE_TOLERANCE) else 0.0
-        share = (b * num_tokens + self.gpu_fixed_s - self.cpu_fixed_s) / ((a + b) * num_tokens)
-        return min(1.0, max(0.0, share))
+        balance = (b * num_tokens + self.gpu_fixed_s - self.cpu_fixed_s) / ((a + b) * num_tokens)
+        return {"device": 0.0, "cpu": 1.0, "balance": min(1.0, max(0.0, balance))}
+
+    def choice(self, num_tokens: int) -> str:
+        """Which of candidate_shares is r* (num_tokens > 0)."""
+        shares = self.candidate_shares(num_tokens)
+        time_at = {name: self.step_time_s(r, num_tokens) for name, r in shares.items()}
+        if not self.shares_host:
+            return min(time_at, key=time_at.get)
+        end = "cpu" if time_at["cpu"] <= time_at["device"] * (1 + TIE_TOLERANCE) else "device"
+        # the balance point is a minimum inside (0, 1) only where the overlap makes one: with none,
+        # the layer is linear in r and the balance is never cheaper than both ends
+        inside = time_at["balance"] < min(time_at["device"], time_at["cpu"])
+        return "balance" if inside and time_at["balance"] < time_at[end] * (1 - MIN_BALANCE_GAIN) else end
 
     def with_cpu_rate(self, cpu_s_per_token: float) -> PerfModel:
         return replace(self, cpu_s_per_token=cpu_s_per_token)
@@ -136,7 +170,9 @@ class OnlineEstimator:
 
     def __init__(self, model: PerfModel, alpha: float = 0.3):
         self.model = model
-        self.cpu = LinearTracker(model.cpu_s_per_token, model.cpu_fixed_s, alpha)
+        # the CPU side's observations are the kernel's own seconds: its tracker's fixed cost leaves
+        # out the dispatch, added back to the model's
+        self.cpu = LinearTracker(model.cpu_s_per_token, model.cpu_fixed_s - model.cpu_dispatch_s, alpha)
         self.device = LinearTracker(model.transfer_s_per_token, model.gpu_fixed_s, alpha)
         self._step: list[list[float]] = [[0.0, 0.0, 0], [0.0, 0.0, 0]]  # per side: tokens, seconds, layers
 
@@ -159,7 +195,7 @@ class OnlineEstimator:
         self._add(1, device_tokens, device_s)
 
     def end_step(self) -> None:
-        """Commits the step's pairs. Where the two sides share the host (not concurrent), a side seen
+        """Commits the step's pairs. Where the two sides share the host (model.shares_host), a side seen
         alone moves the other by the same factor: the same cores and memory serve both, so a load on
         the host slows both, and their ratio (which alone decides r* there) is the code paths', not
         the load's. Without this, r* = 1 would leave B as calibrated while contention raised A, and
@@ -171,12 +207,13 @@ class OnlineEstimator:
                 before = tracker.slope
                 tracker.observe(tokens / layers, seconds / layers)
                 seen.append((tracker, tracker.slope / before))
-        if len(seen) == 1 and not self.model.concurrent:
+        if len(seen) == 1 and self.model.shares_host:
             (tracker, factor), = seen
             other = self.device if tracker is self.cpu else self.cpu
             other.scale_slope(factor)
         self._step = [[0.0, 0.0, 0], [0.0, 0.0, 0]]
-        self.model = replace(self.model, cpu_s_per_token=self.cpu.slope, cpu_fixed_s=self.cpu.intercept,
+        self.model = replace(self.model, cpu_s_per_token=self.cpu.slope,
+                             cpu_fixed_s=self.cpu.intercept + self.model.cpu_dispatch_s,
                              transfer_s_per_token=self.device.slope, gpu_fixed_s=self.device.intercept)
 
     def _add(self, side: int, tokens: int, seconds: float) -> None:

@@ -20,6 +20,8 @@ from enum import Enum
 
 from writescope.perf_model import OnlineEstimator, PerfModel
 
+SWITCH_GAIN = 0.10  # what a new choice of r* must save over the current one, on a shared host
+
 
 class Region(str, Enum):
     CPU_COMPUTE = "cpu_compute"
@@ -85,13 +87,28 @@ class WriteScopePolicy(Policy):
 
     def __init__(self, model: PerfModel, *, alpha: float = 0.3):
         self.estimator = OnlineEstimator(model, alpha=alpha)
+        self._choice: str | None = None  # the candidate of the last share() (see share)
 
     @property
     def model(self) -> PerfModel:
         return self.estimator.model
 
     def share(self, batch_tokens: int) -> float:
-        return self.model.optimal_share(batch_tokens)
+        """r* of the corrected model. Where the sides share the host r* is one of three candidates
+        (an end or the balance point), chosen by margins; a new choice is taken only when the model
+        says it saves SWITCH_GAIN over the current one, so noise in the online estimates does not
+        flip new blocks between the sides step after step."""
+        model = self.model
+        if batch_tokens <= 0:
+            return 0.0
+        shares = model.candidate_shares(batch_tokens)
+        choice = model.choice(batch_tokens)
+        if model.shares_host and self._choice is not None and choice != self._choice:
+            kept_s = model.step_time_s(shares[self._choice], batch_tokens)
+            if kept_s <= model.step_time_s(shares[choice], batch_tokens) * (1 + SWITCH_GAIN):
+                choice = self._choice
+        self._choice = choice
+        return shares[choice]
 
     def observe_step(self, cpu_tokens: int, cpu_s: float, transfer_tokens: int, transfer_s: float) -> None:
         """One layer of the step: the CPU partial's own seconds, the device path's wall seconds."""

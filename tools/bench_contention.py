@@ -24,7 +24,7 @@ import sys
 import torch
 from tqdm import tqdm
 
-from writescope.engine import calibrated_model, engine_cache_config, placement
+from writescope.engine import PROVISIONAL_MODEL, placement
 from writescope.models.moe_model import MoEModel
 from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
 from writescope.policies import WriteScopePolicy
@@ -101,14 +101,12 @@ def run(args) -> dict:
     weights = {k: v.to(args.device) for k, v in preset_weights(config, torch.bfloat16).items()}
     model = MoEModel(config, weights, device=args.device)
     max_seq_len = args.context + args.steps + 1
-    cache_config = engine_cache_config(config, torch.bfloat16, block_size=16, max_batch_size=args.batch,
-                                       max_seq_len=max_seq_len, num_shards=1, window_tokens=args.window_tokens,
-                                       pingpong_blocks=None, device=args.device)
-    calibrated = calibrated_model(config, cache_config, args.batch)
-    policy = RecordingPolicy(calibrated)
+    policy = RecordingPolicy(PROVISIONAL_MODEL)
     engine = RandomKVEngine.from_model(model, byte_level_tokenizer(), torch.bfloat16, policy=policy,
                                        max_batch_size=args.batch, max_seq_len=max_seq_len,
                                        window_tokens=args.window_tokens)
+    calibrated = engine.calibrate()
+    policy.estimator.reset_to(calibrated)
     hog = Hog(args.hog)
     shares, placed, step_s = [], [], []
     try:

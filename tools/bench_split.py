@@ -56,15 +56,17 @@ class RandomKVEngine(Engine):
     _random_kv = None
 
 
-def window_tokens_for(preset: str, device_kv_gb: float | None, block_size: int, batch: int) -> int:
-    """The GPU window per sequence: 256 tokens, or what a device KV budget leaves (window + ping-pong
-    of the paper's ~2 GB: half the budget to the window of the batch)."""
+def device_budget(preset: str, device_kv_gb: float | None, block_size: int, batch: int) -> tuple[int, int | None]:
+    """(window tokens per sequence, ping-pong blocks): a 256-token window and the default ping-pong,
+    or, with a device KV budget (the paper's ~2 GB), half of it to the batch's windows and half to
+    the two ping-pong buffers."""
     if device_kv_gb is None:
-        return 256
-    config = preset_config(preset)
-    per_token = config.kv_format("bfloat16", block_size).token_bytes_per_layer * config.num_layers
-    tokens = int(device_kv_gb * 2**30 / 2 / per_token / batch)
-    return max(block_size, tokens // block_size * block_size)
+        return 256, None
+    fmt = preset_config(preset).kv_format("bfloat16", block_size)
+    half_bytes = device_kv_gb * 2**30 / 2
+    window = int(half_bytes / (fmt.token_bytes_per_layer * fmt.num_layers) / batch) // block_size * block_size
+    pingpong = int(half_bytes / fmt.nbytes("gpu_pingpong", 1))  # nbytes of one block in both buffers
+    return max(block_size, window), max(1, pingpong)
 
 
 def step_s(engine: Engine, prompts, new_tokens: int) -> float:
@@ -79,10 +81,7 @@ def step_s(engine: Engine, prompts, new_tokens: int) -> float:
 
 
 def run_point(model, tokenizer, policy: str, context: int, batch: int, args) -> dict:
-    window = window_tokens_for(args.preset, args.device_kv_gb, args.block_size, batch)
-    pingpong = None if args.device_kv_gb is None else max(1, int(
-        args.device_kv_gb * 2**30 / 2 / 2 / model.config.kv_format("bfloat16", args.block_size).nbytes(
-            "gpu_pingpong", 1) * 2))
+    window, pingpong = device_budget(args.preset, args.device_kv_gb, args.block_size, batch)
     engine = RandomKVEngine.from_model(model, tokenizer, torch.bfloat16, policy=policy, max_batch_size=batch,
                                        max_seq_len=context + args.new_tokens, block_size=args.block_size,
                                        window_tokens=window, pingpong_blocks=pingpong)
@@ -164,8 +163,12 @@ def plot(points: list[dict], rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(rows), figsize=(3.6 * len(rows), 3.4), squeeze=False)
-    for ax, row in zip(axes[0], rows, strict=True):
+    cols = min(3, len(rows))
+    lines = -(-len(rows) // cols)
+    fig, axes = plt.subplots(lines, cols, figsize=(4.2 * cols, 3.3 * lines), squeeze=False)
+    for ax in axes.ravel()[len(rows):]:
+        ax.set_visible(False)
+    for ax, row in zip(axes.ravel(), rows, strict=False):
         here = [p for p in points if (p["context"], p["batch"]) == (row["context"], row["batch"])]
         fixed = sorted((p["share"], p["step_s"] * 1e3) for p in here if p["policy"].startswith("share:"))
         ax.plot([r for r, _ in fixed], [t for _, t in fixed], "o-", label="fixed r")
@@ -176,6 +179,8 @@ def plot(points: list[dict], rows: list[dict], path: str) -> None:
         ax.set_xlabel("CPU share r")
         ax.set_ylabel("decode step (ms)")
     axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"decode step vs CPU share ({host_info()['cpu_model']}, kernel {host_info()['cpu_variant']})",
+                 fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

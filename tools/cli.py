@@ -137,13 +137,15 @@ def _generate(args) -> int:
 
 
 def _calibrate(args) -> int:
-    from writescope.engine import calibrated_model, engine_cache_config, load_model_config
+    from writescope.engine import Engine
 
-    config, torch_dtype = load_model_config(args.model, args.dtype)
-    cache_config = engine_cache_config(config, torch_dtype, block_size=args.block_size, max_batch_size=args.batch,
-                                       max_seq_len=args.max_seq_len, num_shards=1, window_tokens=args.window_tokens,
-                                       pingpong_blocks=None, device=args.device)
-    model = calibrated_model(config, cache_config, args.batch, force=args.force)
+    engine = Engine.from_pretrained(args.model, policy="all_cpu", dtype=args.dtype, block_size=args.block_size,
+                                    max_batch_size=args.batch, max_seq_len=args.max_seq_len,
+                                    window_tokens=args.window_tokens, device=args.device)
+    try:
+        model = engine.calibrate(force=args.force)
+    finally:
+        engine.shutdown()
     print(json.dumps({"model": args.model, "device": args.device, "batch": args.batch, **vars(model),
                       "r_star_at_32k": model.optimal_share(32768)}, indent=2))
     return 0

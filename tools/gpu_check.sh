@@ -2,8 +2,9 @@
 # One prepared GPU check (run on the device machine, from the repository root): builds the
 # extension with the machine's own Python (it has torch, triton, pybind11, pytest, transformers;
 # nothing can be fetched there and it has no Ray), runs the tests marked gpu (compiled Triton on
-# CUDA, engine parity on cuda), the GPU attention benchmark, the end-to-end benchmark on cuda, and
-# the CPU-side suites with CUDA present (pinned regions). Arguments name the steps to run (the
+# CUDA, engine parity on cuda), the GPU attention benchmark, the end-to-end benchmark on cuda, the
+# split sweep and the mid-run contention on the paper-shaped preset, and the CPU-side suites with
+# CUDA present (pinned regions). Arguments name the steps to run (the
 # install always runs): `bash tools/gpu_check.sh gpu_tests e2e`. Each step has its own time cap and a
 # failing step does not stop the later ones; $OUT/summary.txt says how each ended.
 set -uo pipefail
@@ -34,6 +35,12 @@ step gpu_tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 60 
 step gpu_bench 60 python3 tools/bench_gpu_attention.py --repeats 20 --out "$OUT/gpu_attention.json"
 step e2e 200 python3 tools/bench_e2e.py --device cuda --contexts 8192 32768 --batches 1 4 --new-tokens 12 \
     --out "$OUT/e2e.json"
+# The split against a sweep of fixed shares on the paper-shaped preset, the device KV capped as in
+# the paper (window + ping-pong ~ 2 GB), then a host-to-device copy started mid-run (does r* rise?).
+step split 240 python3 tools/bench_split.py --preset qwen3-30b-a3b-shape --device cuda --device-kv-gb 2 \
+    --contexts 32768 131072 --batches 1 --new-tokens 8 --rounds 1 --out "$OUT/split.json"
+step contention 90 python3 tools/bench_contention.py --preset qwen3-30b-a3b-shape --device cuda --hog h2d \
+    --context 32768 --batch 1 --steps 60 --hog-step 20 --window-tokens 256 --out "$OUT/contention_h2d.json"
 step cpu_suites_with_cuda 60 python3 -m pytest -q -x -p no:cacheprovider --timeout 60 -m "not gpu and not ray" \
     tests/core/test_kv_regions.py tests/core/test_inplace_kv_cache.py tests/core/test_calibration.py
 exit 0

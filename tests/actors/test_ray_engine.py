@@ -17,6 +17,7 @@ ray = pytest.importorskip("ray")
 from tests.processes import abstract_sockets, processes_mapping  # noqa: E402
 from writescope.actors.local_ray import start_local_ray  # noqa: E402
 from writescope.actors.ray_engine import WorkerLostError  # noqa: E402
+from writescope.actors.scheduler import SYNC_STEPS  # noqa: E402
 from writescope.engine import Engine  # noqa: E402
 from writescope.models.presets import TINY_PRESETS  # noqa: E402
 from writescope.policies import POLICY_NAMES  # noqa: E402
@@ -116,12 +117,16 @@ def test_a_killed_gpu_worker_names_the_lost_requests_and_the_engine_then_works(r
 def test_the_scheduler_learns_from_the_workers_times(ray_cluster):
     engine = ray_engine("tiny-mixtral", "writescope", 2)
     try:
-        engine.generate(PROMPTS, max_new_tokens=10)
+        calibrated = engine.scheduler_state()["model"]  # the GPU worker's calibration, through its channels
+        engine.generate(PROMPTS, max_new_tokens=2 * SYNC_STEPS + 2)
+        # published every SYNC_STEPS decode steps by a call nothing waits for: it arrives soon after
+        wait_until(lambda: engine.scheduler_state()["steps"] >= 2 * SYNC_STEPS)
         state = engine.scheduler_state()
     finally:
         engine.shutdown()
     assert state["policy"] == "writescope"
-    assert state["steps"] >= 5  # one call per decode step, sent without waiting
+    assert calibrated["cpu_dispatch_s"] > 0  # a channel's round trip: outside the kernel's own seconds
+    assert state["model"] != calibrated  # corrected from the steps' times
     assert 0 <= state["share_at_32k"] <= 1 and state["model"]["cpu_s_per_token"] > 0
 
 

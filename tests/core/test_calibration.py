@@ -1,5 +1,5 @@
 """Calibration times the engine's own paths once per machine and setup, caches them with their
-timings, re-measures on demand, and decides from a measurement whether the two sides overlap."""
+timings, re-measures on demand, and measures how much the two sides overlap."""
 
 import json
 import threading
@@ -10,7 +10,7 @@ import torch
 
 from writescope import calibration
 from writescope.cpu_partial import LocalCPUPartial
-from writescope.engine import calibrated_model, engine_cache_config, load_model_config
+from writescope.engine import Engine, engine_cache_config, load_model_config
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.kv_format import KVFormat
 from writescope.perf_model import PerfModel
@@ -19,76 +19,105 @@ from writescope.policies import make_policy
 LENGTHS = (512, 2048)
 
 
-def setup_for(fmt, num_q_heads=8, batch=2, **cache):
-    config = CacheConfig(fmt, compute_blocks_per_shard=1, transfer_blocks=1, max_seqs=1, pingpong_blocks=64,
-                         window_tokens=64, **cache)
-    return calibration.CalibrationSetup(num_q_heads, fmt.head_dim_k ** -0.5, config, batch)
-
-
-GQA = setup_for(KVFormat(num_layers=4, num_kv_heads=2, head_dim_k=64, head_dim_v=64))
-
-
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
     return tmp_path
 
 
-def test_calibration_times_both_sides_at_each_length_and_fits_them(cache_dir):
-    model = calibration.calibrate(GQA, lengths=LENGTHS, repeats=3)
-    (entry,) = json.loads((cache_dir / "calibration.json").read_text()).values()
+@pytest.fixture
+def engine(cache_dir):
+    engine = Engine.from_pretrained("tiny-qwen3-moe", policy="all_cpu", dtype="bfloat16", max_batch_size=2,
+                                    max_seq_len=2100, window_tokens=64)
+    yield engine
+    engine.shutdown()
+
+
+def stored(cache_dir) -> dict:
+    return json.loads((cache_dir / "calibration.json").read_text())
+
+
+def test_calibration_times_both_sides_at_each_length_and_fits_them(engine, cache_dir):
+    model = engine.calibrate(lengths=LENGTHS)
+    (entry,) = stored(cache_dir).values()
     timings = entry["timings"]
     assert [t["length"] for t in timings] == list(LENGTHS)
-    for t in timings:  # every token of the batch on the side measured (prompts of whole blocks spill wholly)
-        assert t["cpu_tokens"] == t["device_tokens"] == GQA.batch * t["length"]
+    for t in timings:  # half of every sequence on each side (whole blocks: nothing left in the window)
+        assert t["cpu_tokens"] == t["device_tokens"] == 2 * t["length"] // 2
+        assert 0 < t["cpu_kernel_s"] <= t["cpu_s"]  # the kernel's own seconds are inside the wall time
         # two lengths: the fit passes through both measurements (unless noise forced a zero intercept)
         assert model.cpu_time_s(1.0, t["cpu_tokens"]) == pytest.approx(t["cpu_s"], rel=0.5)
         assert model.gpu_time_s(0.0, t["device_tokens"]) == pytest.approx(t["device_s"], rel=0.5)
     longest = timings[-1]
     hidden = longest["cpu_s"] + longest["device_s"] - longest["together_s"]
-    assert model.concurrent == (hidden >= calibration.OVERLAP_THRESHOLD * min(longest["cpu_s"], longest["device_s"]))
+    assert model.overlap == pytest.approx(min(1, max(0, hidden / min(longest["cpu_s"], longest["device_s"]))))
+    assert not engine.cache.seqs and engine.cache.free_blocks() == engine.cache.config.transfer_blocks + \
+        engine.cache.config.compute_blocks_per_shard  # every calibration block given back
+    assert engine.policy.name == "all_cpu" and engine.cache.policy is engine.policy  # placement restored
 
 
-def test_calibration_is_cached_per_machine_and_setup_and_forced_again(cache_dir):
-    calibration.calibrate(GQA, lengths=LENGTHS, repeats=3)
-    stored = json.loads((cache_dir / "calibration.json").read_text())
-    (key,) = stored
+def test_calibration_is_cached_per_machine_and_setup_and_forced_again(engine, cache_dir):
+    engine.calibrate(lengths=LENGTHS)
+    entries = stored(cache_dir)
+    (key,) = entries
     assert key.startswith(calibration.machine_fingerprint("cpu")) and '"batch": 2' in key
-    stored[key]["model"]["cpu_s_per_token"] = 1.25e-7  # a second call reads the cache: the edit comes back
-    (cache_dir / "calibration.json").write_text(json.dumps(stored))
-    assert calibration.calibrate(GQA, lengths=LENGTHS).cpu_s_per_token == 1.25e-7
-    remeasured = calibration.calibrate(GQA, force=True, lengths=LENGTHS, repeats=3)
-    assert json.loads((cache_dir / "calibration.json").read_text())[key]["model"]["cpu_s_per_token"] == \
-        remeasured.cpu_s_per_token != 1.25e-7
-    calibration.calibrate(setup_for(GQA.cache.format, batch=1), lengths=LENGTHS, repeats=3)  # another batch
-    mla = setup_for(KVFormat(1, 1, 576, 512, v_in_k=True), num_q_heads=16)
-    calibration.calibrate(mla, lengths=LENGTHS, repeats=3)
-    assert len(json.loads((cache_dir / "calibration.json").read_text())) == 3
+    assert '"cpu_partial": "LocalCPUPartial"' in key
+    entries[key]["model"]["cpu_s_per_token"] = 1.25e-7  # a second call reads the cache: the edit comes back
+    (cache_dir / "calibration.json").write_text(json.dumps(entries))
+    assert engine.calibrate(lengths=LENGTHS).cpu_s_per_token == 1.25e-7
+    remeasured = engine.calibrate(force=True, lengths=LENGTHS)
+    assert stored(cache_dir)[key]["model"]["cpu_s_per_token"] == remeasured.cpu_s_per_token != 1.25e-7
+    engine.calibrate(lengths=(256, 2048))  # other lengths: their own entry
+    assert len(stored(cache_dir)) == 2
 
 
-def test_a_corrupt_or_old_cache_is_measured_again(cache_dir):
+def test_a_corrupt_or_old_cache_is_measured_again(engine, cache_dir):
     (cache_dir / "calibration.json").write_text("{not json")
-    model = calibration.calibrate(GQA, lengths=LENGTHS, repeats=3)
-    (entry,) = json.loads((cache_dir / "calibration.json").read_text()).values()  # rewritten, valid
+    model = engine.calibrate(lengths=LENGTHS)
+    (key, entry), = stored(cache_dir).items()  # rewritten, valid
     assert PerfModel(**entry["model"]) == model
+    entry["model"]["concurrent"] = True  # an older version's field
+    (cache_dir / "calibration.json").write_text(json.dumps({key: entry}))
+    assert engine.calibrate(lengths=LENGTHS) != PerfModel(1e-9, 1e-9)  # measured again, not a crash
 
 
-@pytest.mark.parametrize("lengths", [(2048,), (1024, 1024), (64, 2048)])
-def test_bad_lengths_say_what_is_allowed(cache_dir, lengths):
-    with pytest.raises(ValueError, match="two or more distinct token counts above the window"):
-        calibration.calibrate(GQA, lengths=lengths)
+@pytest.mark.parametrize("lengths", [(2048,), (1024, 1024), (16, 2048)])
+def test_bad_lengths_say_what_is_allowed(engine, lengths):
+    with pytest.raises(ValueError, match="two or more distinct token counts of at least two blocks"):
+        engine.calibrate(lengths=lengths)
+
+
+def test_calibration_refuses_a_cache_in_use(engine):
+    steps = engine.generate_stream([[5] * 100], max_new_tokens=4)
+    next(steps)
+    with pytest.raises(ValueError, match="needs an empty cache"):
+        engine.calibrate(lengths=LENGTHS)
+    list(steps)
+
+
+def test_a_writescope_engine_starts_calibrated(cache_dir):
+    engine = Engine.from_pretrained("tiny-mixtral", policy="writescope", max_batch_size=1, max_seq_len=600)
+    try:
+        (entry,) = stored(cache_dir).values()
+        assert engine.policy.model == PerfModel(**entry["model"])
+    finally:
+        engine.shutdown()
 
 
 def test_on_a_cpu_only_host_the_paper_shape_puts_its_kv_on_the_cpu(cache_dir):
-    """The device is the CPU: the sides share its cores and memory, so a layer costs their sum, and
-    the CPU partial (no second path) is at least as cheap: r* >= 0.9 on qwen3-30b-a3b-shape."""
+    """The device is the CPU and the local executor runs the sides one after the other: they do not
+    overlap, and the CPU partial (no second path) is at least as cheap: r* >= 0.9 on
+    qwen3-30b-a3b-shape (its real cache: 48 layers of 4 KV heads of 128, bf16; no weights needed)."""
     config, dtype = load_model_config("qwen3-30b-a3b-shape", "bfloat16")
     assert (config.num_layers, config.num_q_heads, config.num_kv_heads, config.head_dim, config.hidden_size) == \
         (48, 32, 4, 128, 2048)
-    cache_config = engine_cache_config(config, dtype, block_size=16, max_batch_size=4, max_seq_len=16384,
+    cache_config = engine_cache_config(config, dtype, block_size=16, max_batch_size=4, max_seq_len=4200,
                                        num_shards=1, window_tokens=256, pingpong_blocks=None, device="cpu")
-    model = calibrated_model(config, cache_config, max_batch_size=4)
-    assert not model.concurrent
+    setup = calibration.CalibrationSetup(config.num_q_heads, config.attention_scale, batch=4,
+                                         cpu_partial="LocalCPUPartial", cpu_in_thread=False)
+    with InplaceKVCache(cache_config, make_policy("all_cpu")) as cache:
+        model = calibration.calibrate(cache, LocalCPUPartial(cache), setup, lengths=(1024, 4096))
+    assert model.shares_host and model.overlap < 0.3
     for tokens in (8192, 65536, 1 << 20):
         assert model.optimal_share(tokens) >= 0.9
 
@@ -121,7 +150,7 @@ def test_a_wait_for_the_kernel_pool_is_not_counted_as_cpu_compute():
     wall, own = sorted(walls)[4], sorted(seconds)[4]
     assert wall > 5 * own, (wall, own)  # it did wait for the pool
     assert own < 3 * alone + 1e-3, (own, alone)
-    policy = make_policy("writescope", PerfModel(alone / 1024, alone / 1024, 0.0, 0.0, concurrent=False))
+    policy = make_policy("writescope", PerfModel(alone / 1024, alone / 1024, 0.0, 0.0, overlap=0.0))
     for own_s in seconds:
         policy.observe_step(1024, own_s, 0, 0.0)
         policy.end_step()

@@ -18,7 +18,7 @@ def test_a_memory_hog_mid_run_leaves_the_kv_on_the_cpu(tmp_path):
     assert bench_contention.main(["--context", "4096", "--batch", "2", "--steps", "40", "--hog-step", "14",
                                   "--window-tokens", "16", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert not result["calibrated"]["concurrent"]  # the device is this CPU
+    assert result["calibrated"]["overlap"] < 0.5  # the device is this CPU
     assert result["share_before"] == result["share_min_during"] == result["share_max_during"] == 1.0
     assert result["placed_end"]["cpu_transfer"] == 0
     assert result["placed_end"]["cpu_compute"] > result["placed_before"]["cpu_compute"]  # blocks placed meanwhile
