@@ -16,7 +16,7 @@ the share of the shorter side hidden behind the longer when both run as the engi
     in between (CPU workers in other processes on the same cores) a kink at r_b: r* is 0, 1 or r_b.
 Where the sides mostly share the host (overlap < SHARED_BELOW), the end is the CPU side (r* = 1)
 unless the device side is cheaper by more than TIE_TOLERANCE: there the device path attends
-cpu_transfer in place with the same kernel (A / B measured 0.71-1.06 across the presets on a Xeon
+cpu_transfer in place with the same kernel (A / B measured 0.62-1.06 across the presets on a Xeon
 host: layout and noise), and r = 1 keeps the KV on one path; the balance point replaces that end
 only when the overlap makes it cheaper by MIN_BALANCE_GAIN (CPU workers in their own processes on
 the same cores: overlap 0.13 measured, the balance ~8% cheaper).
