@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 from tqdm import tqdm
 
-from writescope.policies import POLICY_NAMES
+from writescope.policies import POLICY_NAMES, policy_argument
 from writescope.prompts import check_unicode
 from writescope.sampling import SEED_MAX, SEED_MIN, SamplingParams
 from writescope.service import QueueFullError
@@ -398,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input", required=True, help="JSONL: {id, prompt (text or token ids), max_new_tokens, "
                                                        "optional temperature, top_p, seed, stop} per line")
     parser.add_argument("--output", required=True, help="JSONL results, appended; ids already there are skipped")
-    parser.add_argument("--policy", default="writescope", choices=POLICY_NAMES, help="KV placement policy")
+    parser.add_argument("--policy", default="writescope", type=policy_argument,
+                        help=f"KV placement policy: {', '.join(POLICY_NAMES)}, or share:R (R in [0, 1])")
     parser.add_argument("--executor", default="ray", choices=["ray", "local"],
                         help="ray: actors on the job's cluster (or an embedded local Ray); local: one process")
     parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together")

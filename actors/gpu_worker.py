@@ -6,7 +6,7 @@ concurrent call join its running batch between steps.
 
 Authoritative state: none that outlives it. Rebuilt on (re)start: the weights (from the checkpoint
 or preset), the device buffers, the attachment of the regions and channels, and the policy snapshot
-(from the scheduler, which keeps r* and its EWMA across restarts). Lost with the process: the
+(from the scheduler, to which it publishes its corrected policy every few steps). Lost with the process: the
 placement tables of the sequences it was decoding. A restarted worker starts with an empty batch
 and free regions; the caller of a lost generation gets an error naming its requests.
 """

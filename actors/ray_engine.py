@@ -1,7 +1,7 @@
 """The engine on Ray: `Engine.from_pretrained(..., executor="ray")` returns a RayEngine.
 
     region owner  (RegionOwner)        creates the shared-memory segments, removes them at shutdown
-    scheduler     (WriteScopeScheduler) the policy: perf model, r*, EWMA
+    scheduler     (WriteScopeScheduler) holds the policy (perf model, r*, online correction) for restarts
     GPU worker    (GPUWorker)          an Engine: model, window, ping-pong, device partial, merge
     CPU workers   (CPUWorker, 1/node)  pinned to their NUMA node, partials over their shard
 

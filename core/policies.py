@@ -133,6 +133,16 @@ def is_policy_name(name) -> bool:
         return False
 
 
+def policy_argument(text: str) -> str:
+    """argparse type of a --policy flag: a named policy or share:R, else a message of what is allowed."""
+    import argparse
+
+    if not is_policy_name(text):
+        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; known: {', '.join(POLICY_NAMES)}, or share:R "
+                                         f"with R in [0, 1]")
+    return text
+
+
 def _parse_share(name) -> float:
     if not isinstance(name, str) or not name.startswith(SHARE_PREFIX):
         raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}, or share:R with R in [0, 1]")

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from writescope.engine import Engine
 from writescope.models.presets import PRESETS, preset_config, preset_weights
-from writescope.policies import POLICY_NAMES
+from writescope.policies import POLICY_NAMES, policy_argument
 from writescope.tools.results import write_json
 
 log = logging.getLogger("bench_e2e")
@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="batch sizes")
     parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per sequence")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV dtype")
-    parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), choices=POLICY_NAMES, help="policies")
+    parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), type=policy_argument,
+                        help="policies: the named ones, or share:R")
     parser.add_argument("--device", default="cpu", help="device of the engine and of transformers (cuda on a GPU)")
     parser.add_argument("--executor", default="local", choices=["local", "ray"],
                         help="the engine's executor (ray: its actors on an embedded local Ray)")

@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 
-from writescope.policies import POLICY_NAMES
+from writescope.policies import POLICY_NAMES, policy_argument
 
 BENCHES = {"cpu": "writescope.tools.bench_cpu_attention", "gpu": "writescope.tools.bench_gpu_attention",
            "e2e": "writescope.tools.bench_e2e", "orchestration": "writescope.tools.bench_orchestration",
@@ -35,7 +35,8 @@ DELEGATED = {"simulate": "writescope.tools.simulate_policies", "numa-scaling": "
 
 def _engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny-qwen3-moe", help="a checkpoint directory or a preset name")
-    parser.add_argument("--policy", default="writescope", choices=POLICY_NAMES, help="KV placement policy")
+    parser.add_argument("--policy", default="writescope", type=policy_argument,
+                        help=f"KV placement policy: {', '.join(POLICY_NAMES)}, or share:R (R in [0, 1])")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                         help="weights and KV dtype (default: the checkpoint's)")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from writescope.engine import Engine, placement
 from writescope.models.presets import PRESETS
-from writescope.policies import POLICY_NAMES
+from writescope.policies import POLICY_NAMES, policy_argument
 from writescope.tools.results import write_json
 from writescope.topology import emulated_topology
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per sequence")
     parser.add_argument("--window", type=int, default=256, help="GPU window tokens per sequence")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV dtype")
-    parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), choices=POLICY_NAMES,
+    parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), type=policy_argument,
                         help="policies to run, in order")
     parser.add_argument("--executor", default="ray", choices=["ray", "local"],
                         help="ray: the engine's actors on an embedded local Ray (started here); local: one process")

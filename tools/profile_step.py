@@ -17,7 +17,7 @@ import pstats
 import torch
 
 from writescope.engine import Engine
-from writescope.policies import POLICY_NAMES
+from writescope.policies import policy_argument
 
 log = logging.getLogger("profile_step")
 # What a step's count of calls is checked on (tests/engine/test_step_work.py): name -> profiler key.
@@ -73,7 +73,7 @@ def calls_per_step(stats: pstats.Stats, steps: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny-qwen3-moe")
-    parser.add_argument("--policy", default="all_cpu", choices=POLICY_NAMES)
+    parser.add_argument("--policy", default="all_cpu", type=policy_argument, help="a named policy or share:R")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=16, help="decode steps profiled (after 2 warm-up steps)")

@@ -60,7 +60,15 @@ def test_calibrate_prints_the_model(capsys, tmp_path, monkeypatch):
 def test_bad_flags_name_what_is_allowed(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--prompt", "x", "--policy", "fastest"])
-    assert "invalid choice: 'fastest'" in capsys.readouterr().err
+    assert "unknown policy 'fastest'; known: writescope" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "x", "--policy", "share:2"])
+    assert "or share:R with R in [0, 1]" in capsys.readouterr().err
+
+
+def test_generate_takes_a_fixed_share_policy(capsys):
+    assert main(["generate", "--model", "tiny-mixtral", "--prompt", "hello", "--max-new-tokens", "3",
+                 "--policy", "share:0.3"]) == 0
     with pytest.raises(SystemExit):
         main(["frobnicate"])
     assert "invalid choice" in capsys.readouterr().err
