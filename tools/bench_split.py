@@ -34,6 +34,12 @@ from writescope.tools.results import host_info, write_json
 log = logging.getLogger("bench_split")
 WARMUP_STEPS = 2
 SHARES = tuple(round(i / 10, 1) for i in range(11))
+
+
+def shares(step: float) -> tuple[float, ...]:
+    """The fixed shares swept: 0, step, 2 step, ... 1."""
+    count = round(1 / step)
+    return tuple(round(i / count, 4) for i in range(count + 1))
 BASELINES = ("all_transfer", "all_cpu", "fixed_half", "monolithic")
 
 
@@ -105,7 +111,7 @@ def sweep(args) -> list[dict]:
     weights = {k: v.to(args.device) for k, v in preset_weights(config, torch.bfloat16).items()}
     model = MoEModel(config, weights, device=args.device)
     tokenizer = byte_level_tokenizer()
-    policies = [f"share:{r}" for r in SHARES] + list(POLICY_NAMES)
+    policies = [f"share:{r}" for r in shares(args.share_step)] + list(POLICY_NAMES)
     points = []
     grid = [(c, b) for c in args.contexts for b in args.batches]
     with tqdm(total=len(grid) * len(policies) * args.rounds, desc="bench split") as bar:
@@ -192,6 +198,8 @@ def parse_args(argv):
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="sequences per step")
     parser.add_argument("--new-tokens", type=int, default=16, help=f"decode steps per point ({WARMUP_STEPS} warm-up)")
     parser.add_argument("--rounds", type=int, default=3, help="runs of every policy per point (median of medians)")
+    parser.add_argument("--share-step", type=float, default=0.1,
+                        help="step of the fixed shares swept (0.1: r = 0, 0.1, ... 1); 1 / step a whole number")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--device-kv-gb", type=float, default=None,
@@ -205,6 +213,8 @@ def parse_args(argv):
             parser.error(f"--{name} must be >= 1")
     if any(c % args.block_size for c in args.contexts):
         parser.error(f"--contexts must be multiples of --block-size ({args.block_size})")
+    if not 0 < args.share_step <= 1 or abs(1 / args.share_step - round(1 / args.share_step)) > 1e-6:
+        parser.error("--share-step must be in (0, 1] and divide 1 (0.1, 0.125, 0.25, 0.5, 1)")
     if args.new_tokens <= WARMUP_STEPS + 1:
         parser.error(f"--new-tokens must be > {WARMUP_STEPS + 1}")
     return args

@@ -38,7 +38,7 @@ step e2e 200 python3 tools/bench_e2e.py --device cuda --contexts 8192 32768 --ba
 # The split against a sweep of fixed shares on the paper-shaped preset, the device KV capped as in
 # the paper (window + ping-pong ~ 2 GB), then a host-to-device copy started mid-run (does r* rise?).
 step split 240 python3 tools/bench_split.py --preset qwen3-30b-a3b-shape --device cuda --device-kv-gb 2 \
-    --contexts 32768 131072 --batches 1 --new-tokens 8 --rounds 1 --out "$OUT/split.json"
+    --contexts 32768 131072 --batches 1 --new-tokens 8 --rounds 1 --share-step 0.25 --out "$OUT/split.json"
 step contention 90 python3 tools/bench_contention.py --preset qwen3-30b-a3b-shape --device cuda --hog h2d \
     --context 32768 --batch 1 --steps 60 --hog-step 20 --window-tokens 256 --out "$OUT/contention_h2d.json"
 step cpu_suites_with_cuda 60 python3 -m pytest -q -x -p no:cacheprovider --timeout 60 -m "not gpu and not ray" \

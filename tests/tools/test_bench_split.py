@@ -24,7 +24,7 @@ def test_the_sweep_writes_every_point_and_the_table(tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["host"]["cpu_variant"] and result["host"]["cpus"] >= 1
     points = result["points"]
-    assert len(points) == 2 * (len(bench_split.SHARES) + 5)
+    assert len(points) == 2 * (len(bench_split.SHARES) + 5) and bench_split.shares(0.1) == bench_split.SHARES
     for point in points:
         assert point["step_s"] > 0
         if point["policy"].startswith("share:"):
@@ -64,7 +64,8 @@ def test_random_kv_is_placed_by_the_policy_as_a_prefill_would_place_it():
 
 @pytest.mark.parametrize("flags,message", [(["--contexts", "1000"], "multiples of --block-size"),
                                            (["--new-tokens", "2"], "--new-tokens must be"),
-                                           (["--rounds", "0"], "--rounds must be")])
+                                           (["--rounds", "0"], "--rounds must be"),
+                                           (["--share-step", "0.3"], "--share-step must be")])
 def test_bad_flags_say_what_is_allowed(flags, message, capsys):
     with pytest.raises(SystemExit):
         bench_split.parse_args(flags)
