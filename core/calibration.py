@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 
 MAX_BATCH = 4  # the per-token costs hardly change beyond it
 LONGEST = 16384  # tokens per sequence at the longer length (the engine's max_seq_len if lower)
+# Hidden shares under this are the timing noise of a shared host: the local executor, which runs
+# the sides one after the other, measured 0.00-0.09 here; Ray's CPU workers 0.13-0.24.
+OVERLAP_NOISE = 0.1
 
 
 @dataclass(frozen=True)
@@ -118,12 +121,18 @@ def calibrate(cache, cpu_partial, setup: CalibrationSetup, *, force: bool = Fals
 def fit(timings: list[dict]) -> PerfModel:
     a, c_cpu = _fit([t["cpu_tokens"] for t in timings], [t["cpu_s"] for t in timings])
     b, c_gpu = _fit([t["device_tokens"] for t in timings], [t["device_s"] for t in timings])
-    longest = timings[-1]
-    hidden = longest["cpu_s"] + longest["device_s"] - longest["together_s"]
-    overlap = min(1.0, max(0.0, hidden / min(longest["cpu_s"], longest["device_s"])))
+    overlap = min(_hidden_share(t) for t in timings)  # a real overlap shows at every length
+    if overlap < OVERLAP_NOISE:
+        overlap = 0.0
     dispatch = min(c_cpu, max(0.0, statistics.median(t["cpu_s"] - t["cpu_kernel_s"] for t in timings)))
     return PerfModel(cpu_s_per_token=a, transfer_s_per_token=b, cpu_fixed_s=c_cpu, gpu_fixed_s=c_gpu,
                      overlap=overlap, cpu_dispatch_s=dispatch)
+
+
+def _hidden_share(timing: dict) -> float:
+    """The share of the shorter side that running both hid, in [0, 1]."""
+    hidden = timing["cpu_s"] + timing["device_s"] - timing["together_s"]
+    return min(1.0, max(0.0, hidden / min(timing["cpu_s"], timing["device_s"])))
 
 
 def measure(cache, cpu_partial, setup: CalibrationSetup, lengths, repeats: int) -> list[dict]:
