@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 MAX_BATCH = 4  # the per-token costs hardly change beyond it
 LONGEST = 16384  # tokens per sequence at the longer length (the engine's max_seq_len if lower)
 # Hidden shares under this are the timing noise of a shared host: the local executor, which runs
-# the sides one after the other, measured 0.00-0.09 here; Ray's CPU workers 0.13-0.24.
+# the sides one after the other, measured 0.00-0.09 here; Ray's CPU workers 0.13-0.30.
 OVERLAP_NOISE = 0.1
 
 
