@@ -119,6 +119,7 @@ def calibrate(cache, cpu_partial, setup: CalibrationSetup, *, force: bool = Fals
 
 
 def fit(timings: list[dict]) -> PerfModel:
+    """The PerfModel of measure()'s timings: both sides' lines, the overlap, the CPU partial's dispatch."""
     a, c_cpu = _fit([t["cpu_tokens"] for t in timings], [t["cpu_s"] for t in timings])
     b, c_gpu = _fit([t["device_tokens"] for t in timings], [t["device_s"] for t in timings])
     overlap = min(_hidden_share(t) for t in timings)  # a real overlap shows at every length
