@@ -75,10 +75,6 @@ class RemotePolicy(Policy):
         self._sync_steps = sync_steps
         self._unpublished = 0
 
-    @property
-    def model(self):
-        return getattr(self._policy, "model", None)
-
     def share(self, batch_tokens: int) -> float:
         return self._policy.share(batch_tokens)
 

@@ -72,18 +72,22 @@ def default_lengths(max_seq_len: int, block_size: int) -> tuple[int, int]:
     return shortest, longest
 
 
+def cpu_model() -> str:
+    """This CPU's model name (/proc/cpuinfo), else what the platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                        platform.processor())
+    except OSError:
+        return platform.processor()
+
+
 def machine_fingerprint(device: str) -> str:
     """What the measurements depend on: CPU model and count, kernel variant and threads, device."""
     from writescope import _cpu
 
-    cpu_model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
-    except OSError:
-        pass
     device_name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    parts = [cpu_model, str(len(os.sched_getaffinity(0))), _cpu.__cpu_variant__, str(_cpu.num_threads()), device_name]
+    parts = [cpu_model(), str(len(os.sched_getaffinity(0))), _cpu.__cpu_variant__, str(_cpu.num_threads()), device_name]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -35,7 +35,7 @@ from writescope.models.layers import causal_attention
 from writescope.models.moe_model import MoEModel
 from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
 from writescope.perf_model import PerfModel
-from writescope.policies import POLICY_NAMES, Policy, is_policy_name, make_policy
+from writescope.policies import Policy, check_policy, make_policy
 from writescope.prompts import PromptEncoder
 from writescope.sampling import FAILED, SamplingParams, make_generator, sample
 from writescope.split import device_side
@@ -184,9 +184,7 @@ class Engine:
         whose GPU worker runs an Engine. region_handles: ([cpu_compute shard handle bytes],
         cpu_transfer handle bytes) of regions created elsewhere, attached instead of created."""
         executor_options = dict(executor_options or {})
-        if not isinstance(policy, Policy) and not is_policy_name(policy):
-            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}, or share:R with R in "
-                             f"[0, 1]")
+        check_policy(policy)
         check_executor(executor)  # before anything is allocated
         options = dict(policy=policy, dtype=dtype, window_tokens=window_tokens, max_batch_size=max_batch_size,
                        max_seq_len=max_seq_len, block_size=block_size, device=device, hot_experts=hot_experts,
@@ -210,9 +208,7 @@ class Engine:
         so that several engines can share one model's weights (a sweep over policies, say). The
         options are from_pretrained's; executor is one that runs in this process."""
         executor_options = dict(executor_options or {})
-        if not isinstance(policy, Policy) and not is_policy_name(policy):
-            raise ValueError(f"unknown policy {policy!r}; known: {', '.join(POLICY_NAMES)}, or share:R with R in "
-                             f"[0, 1]")
+        check_policy(policy)
         device = str(model.device)
         cache_config = engine_cache_config(model.config, kv_dtype, block_size=block_size,
                                            max_batch_size=max_batch_size, max_seq_len=max_seq_len,

@@ -122,6 +122,17 @@ POLICY_NAMES = ("writescope", "all_transfer", "all_cpu", "fixed_half", "monolith
 SHARE_PREFIX = "share:"
 
 
+def unknown_policy(name) -> str:
+    """What a bad policy name is told: the names allowed."""
+    return f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}, or share:R with R in [0, 1]"
+
+
+def check_policy(policy) -> None:
+    """A Policy object, a named policy or share:R; else ValueError naming what is allowed."""
+    if not isinstance(policy, Policy) and not is_policy_name(policy):
+        raise ValueError(unknown_policy(policy))
+
+
 def is_policy_name(name) -> bool:
     """A named policy, or share:R with R in [0, 1]."""
     if name in POLICY_NAMES:
@@ -138,14 +149,13 @@ def policy_argument(text: str) -> str:
     import argparse
 
     if not is_policy_name(text):
-        raise argparse.ArgumentTypeError(f"unknown policy {text!r}; known: {', '.join(POLICY_NAMES)}, or share:R "
-                                         f"with R in [0, 1]")
+        raise argparse.ArgumentTypeError(unknown_policy(text))
     return text
 
 
 def _parse_share(name) -> float:
     if not isinstance(name, str) or not name.startswith(SHARE_PREFIX):
-        raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}, or share:R with R in [0, 1]")
+        raise ValueError(unknown_policy(name))
     try:
         share = float(name[len(SHARE_PREFIX):])
     except ValueError:
@@ -168,4 +178,4 @@ def make_policy(name: str, model: PerfModel | None = None) -> Policy:
         return FixedSharePolicy(name, _parse_share(name))
     if name == "monolithic":
         return MonolithicPolicy()
-    raise ValueError(f"unknown policy {name!r}; known: {', '.join(POLICY_NAMES)}, or share:R with R in [0, 1]")
+    raise ValueError(unknown_policy(name))

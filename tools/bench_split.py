@@ -33,19 +33,21 @@ from writescope.tools.results import host_info, write_json
 
 log = logging.getLogger("bench_split")
 WARMUP_STEPS = 2
-SHARES = tuple(round(i / 10, 1) for i in range(11))
-
-
 def shares(step: float) -> tuple[float, ...]:
     """The fixed shares swept: 0, step, 2 step, ... 1."""
     count = round(1 / step)
     return tuple(round(i / count, 4) for i in range(count + 1))
+
+
+SHARES = shares(0.1)  # the default sweep
 BASELINES = ("all_transfer", "all_cpu", "fixed_half", "monolithic")
 
 
 class RandomKVEngine(Engine):
     """An Engine whose prefill writes random KV of the prompt's length, placed by the policy, in
     place of running the model over the prompt; its decode steps are Engine's."""
+
+    _random_kv = None  # [num_kv_heads, tokens, dim] per stored array, the longest prompt's so far
 
     def _prefill(self, request) -> int:
         fmt = self.cache.config.format
@@ -58,8 +60,6 @@ class RandomKVEngine(Engine):
         for layer in range(self.config.num_layers):
             self.cache.write_prefill(request.seq_id, layer, *arrays)
         return request.prompt[-1]
-
-    _random_kv = None
 
 
 def device_budget(preset: str, device_kv_gb: float | None, block_size: int, batch: int) -> tuple[int, int | None]:

@@ -15,18 +15,11 @@ def write_json(path: str, data) -> None:
 def host_info() -> dict:
     """What a table's figures depend on: the CPU model and count, the C++ kernel's variant and threads,
     the GPU if any."""
-    import platform
-
     import torch
 
     from writescope import _cpu
+    from writescope.calibration import cpu_model
 
-    cpu_model = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu_model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu_model)
-    except OSError:
-        pass
-    return {"cpu_model": cpu_model, "cpus": len(os.sched_getaffinity(0)), "cpu_variant": _cpu.__cpu_variant__,
+    return {"cpu_model": cpu_model(), "cpus": len(os.sched_getaffinity(0)), "cpu_variant": _cpu.__cpu_variant__,
             "kernel_threads": _cpu.num_threads(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
