@@ -47,11 +47,10 @@ class CPUWorker:
         """q [num_seqs, num_q_heads, head_dim_qk] float32 -> (out [num_seqs, num_q_heads, head_dim_v], lse,
         the kernel's own seconds)."""
         from writescope import ops
+        from writescope.inplace_kv_cache import compute_source
 
-        k = self.region.k[layer].permute(1, 0, 2, 3)  # [num_blocks, num_kv_heads, block_size, head_dim_k]
-        v = self.region.v[layer].permute(1, 0, 2, 3)
         # the channel checked the request's bounds; the C++ launcher checks every block id before a read
-        return ops.cpu_paged_attention_timed(q, k, v, block_table, seq_lens, scale)
+        return ops.cpu_paged_attention_timed(q, compute_source(self.region, layer, block_table, seq_lens), scale)
 
     def thread_affinities(self) -> dict[int, list[int]]:
         """CPU sets of every thread of this process, read by thread id (for checks from outside)."""

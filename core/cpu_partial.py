@@ -53,6 +53,6 @@ class LocalCPUPartial(CPUPartial):
         self.cache = cache
 
     def attend(self, layer: int, q: torch.Tensor, view, scale: float) -> PendingPartial:
-        parts = [ops.cpu_paged_attention_timed(q, *source, scale) for source in self.cache.compute_sources(layer, view)]
+        parts = [ops.cpu_paged_attention_timed(q, source, scale) for source in self.cache.compute_sources(layer, view)]
         out, lse = ops.merge([(out, lse) for out, lse, _ in parts])
         return PendingPartial.done(ops.Partial(out, lse, view.compute_tokens, sum(s for _, _, s in parts)))

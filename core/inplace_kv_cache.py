@@ -27,7 +27,7 @@ import torch
 
 from writescope.block_allocator import BlockAllocator, CapacityError
 from writescope.block_tables import BlockTables
-from writescope.kv_format import KVFormat
+from writescope.kv_format import PAIRED, KVFormat, from_paired, to_paired
 from writescope.kv_regions import HostRegion
 from writescope.ops import KVSource
 from writescope.pingpong import PingPong, TransferChunk, plan_chunks
@@ -300,10 +300,12 @@ class InplaceKVCache:
             which = torch.tensor(picked)
             blocks = torch.tensor([placements[i].block for i in picked])
             region = self.compute[key[1]] if key[0] is Region.CPU_COMPUTE else self.transfer
-            for array, row in zip(region.arrays, rows, strict=True):
+            for (name, _), array, row in zip(self.config.format.stored_arrays, region.arrays, rows, strict=True):
                 chosen = row.index_select(2, which.to(row.device)).to("cpu")  # [L, kv, n, bs, dim]
-                if key[0] is Region.CPU_COMPUTE:  # head-major [layer, kv_head, block, token, dim]
-                    array[layer_index[:, None], :, blocks[None, :]] = chosen.permute(0, 2, 1, 3, 4)
+                if key[0] is Region.CPU_COMPUTE:  # head-major [layer, kv_head, block, <block layout>]
+                    if self.config.format.compute_layout == PAIRED:
+                        chosen = to_paired(name, chosen)  # the kernel's layout, written once here
+                    array[layer_index[:, None], :, blocks[None, :]] = chosen.movedim(2, 1)
                 else:  # block-major [layer, block, kv_head, token, dim]
                     array[layer_index[:, None], blocks[None, :]] = chosen.permute(0, 2, 1, 3, 4)
 
@@ -341,11 +343,8 @@ class InplaceKVCache:
 
     def compute_sources(self, layer: int, view: StepView) -> list[KVSource]:
         """The view's cpu_compute tokens of one layer, one paged source per shard (views, on the host)."""
-        sources = []
-        for region, (table, lens) in zip(self.compute, view.compute, strict=True):
-            k = region.k[layer].permute(1, 0, 2, 3)  # [num_blocks, num_kv_heads, block_size, head_dim_k]
-            sources.append(KVSource(k, region.v[layer].permute(1, 0, 2, 3), table, lens))
-        return sources
+        return [compute_source(region, layer, table, lens)
+                for region, (table, lens) in zip(self.compute, view.compute, strict=True)]
 
     def window_source(self, layer: int, view: StepView) -> KVSource:
         """The view's window tokens of one layer (this step's token included): each sequence's slot is
@@ -380,14 +379,18 @@ class InplaceKVCache:
 
     def shipped_compute_sources(self, layer: int, view: StepView) -> list[KVSource]:
         """The monolithic baseline: the view's cpu_compute blocks of every shard copied whole to the
-        device from unpinned memory (one gather and one pageable copy per shard and step)."""
+        device from unpinned memory (one gather and one pageable copy per shard, array and step),
+        put in token-major order there."""
         sources = []
         for source in self.compute_sources(layer, view):
             used = torch.arange(source.block_table.shape[1])[None, :] < (source.seq_lens // self.block_size)[:, None]
             index = source.block_table[used].long()  # row-major: each sequence's blocks consecutive
             k = source.k_cache.index_select(0, index).to(self.device)
-            v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else \
-                source.v_cache.index_select(0, index).to(self.device)
+            if self.config.format.v_in_k:
+                v = k[..., : self.config.format.head_dim_v]
+            else:  # the shipped bytes are the paired blocks; the device attends a token-major copy of them
+                v = from_paired("v", source.v_cache.index_select(0, index).to(self.device))
+                k = from_paired("k", k)
             counts = source.seq_lens // self.block_size
             starts = torch.cumsum(counts, 0) - counts
             table = (starts[:, None] + torch.arange(source.block_table.shape[1])[None, :]).to(torch.int32)
@@ -399,10 +402,16 @@ class InplaceKVCache:
         num_tokens, dim] each. For checks and debugging, not the hot path."""
         state = self._state(seq_id)
         parts = [[] for _ in self.config.format.stored_dims]
+        fmt = self.config.format
         for p in state.blocks:
             region = self.compute[p.shard] if p.region is Region.CPU_COMPUTE else self.transfer
-            for out, array in zip(parts, region.arrays, strict=True):
-                out.append(array[layer, :, p.block] if p.region is Region.CPU_COMPUTE else array[layer, p.block])
+            for (name, _), out, array in zip(fmt.stored_arrays, parts, region.arrays, strict=True):
+                if p.region is Region.CPU_TRANSFER:
+                    out.append(array[layer, p.block])
+                elif fmt.compute_layout == PAIRED:
+                    out.append(from_paired(name, array[layer, :, p.block]))
+                else:
+                    out.append(array[layer, :, p.block])
         for out, window in zip(parts, self.window, strict=True):
             out.append(window[layer, state.slot, :, : state.window_len].cpu())
         return [torch.cat(out, dim=1) for out in parts]
@@ -478,6 +487,16 @@ class InplaceKVCache:
 
 
 _TRANSFER = (Region.CPU_TRANSFER, 0)
+
+
+def compute_source(region: HostRegion, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor) -> KVSource:
+    """One layer of a cpu_compute shard as a paged source, in its own block layout (views, on the host):
+    [num_blocks, num_kv_heads, <block layout>] each, with the given table and lengths."""
+    fmt = region.handle.format
+    if fmt.compute_layout == PAIRED:
+        k, v = (array[layer].transpose(0, 1) for array in region.arrays)
+        return KVSource(k, v, block_table, seq_lens)
+    return KVSource(region.k[layer].transpose(0, 1), region.v[layer].transpose(0, 1), block_table, seq_lens)
 
 
 def _attach_regions(config: CacheConfig, compute_handles, transfer_handle):

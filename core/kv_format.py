@@ -5,8 +5,15 @@ MLA (DeepSeek-V2) stores one latent "head" of kv_lora_rank + rope dims as K, and
 head_dim_v (= kv_lora_rank) dims of it: `v_in_k=True` stores K only.
 
 Layouts (outermost first), all in blocks of block_size tokens:
-    cpu_compute   [num_layers, num_kv_heads, num_blocks, block_size, head_dim]   head-major: the CPU
-                  kernel streams one head's blocks of one layer from one contiguous range
+    cpu_compute   head-major: the CPU kernel streams one head's blocks of one layer from one
+                  contiguous range; within a block the layout is the kernel's operand layout
+                  ("paired", fixed when the block is written, never converted):
+                    K [num_layers, num_kv_heads, num_blocks, head_dim_k / 2, block_size, 2]
+                      K transposed in pairs of dims: one vector load is a dim pair of W tokens
+                    V [num_layers, num_kv_heads, num_blocks, block_size / 2, head_dim_v, 2]
+                      V in pairs of tokens: one vector load is a dim range of a token pair
+                  MLA (v_in_k) keeps [num_layers, num_kv_heads, num_blocks, block_size, head_dim_k]
+                  ("token_major"): V is a prefix of each token's latent, which pairs would split
     cpu_transfer  [num_layers, num_blocks, num_kv_heads, block_size, head_dim]   block-major: a span
                   of consecutive blocks of one layer is one contiguous DMA
     gpu_window    [num_layers, max_seqs, num_kv_heads, window_tokens, head_dim]
@@ -20,8 +27,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TOKEN_MAJOR = "token_major"  # a block's K and V [block_size, head_dim]
+PAIRED = "paired"  # a block's K [head_dim / 2, block_size, 2] and V [block_size / 2, head_dim, 2]
 LAYOUTS = {
-    "cpu_compute": ("layer", "kv_head", "block", "token", "dim"),
+    "cpu_compute": ("layer", "kv_head", "block", "block_layout"),
     "cpu_transfer": ("layer", "block", "kv_head", "token", "dim"),
     "gpu_window": ("layer", "seq", "kv_head", "token", "dim"),
     "gpu_pingpong": ("buffer", "block", "kv_head", "token", "dim"),
@@ -47,6 +56,16 @@ class KVFormat:
             raise ValueError(f"KVFormat.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.v_in_k and self.head_dim_v > self.head_dim_k:
             raise ValueError(f"v_in_k needs head_dim_v ({self.head_dim_v}) <= head_dim_k ({self.head_dim_k})")
+        if self.compute_layout == PAIRED:
+            odd = [name for name in ("head_dim_k", "head_dim_v", "block_size") if getattr(self, name) % 2]
+            if odd:
+                raise ValueError(f"KVFormat.{', '.join(odd)} must be even: cpu_compute stores K in pairs of dims "
+                                 f"and V in pairs of tokens; got {', '.join(f'{n}={getattr(self, n)}' for n in odd)}")
+
+    @property
+    def compute_layout(self) -> str:
+        """The block layout of cpu_compute: paired, or token_major where V is inside K (MLA)."""
+        return TOKEN_MAJOR if self.v_in_k else PAIRED
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -70,10 +89,13 @@ class KVFormat:
         """One block of every layer: what a region gives per allocated block id."""
         return self.token_bytes_per_layer * self.block_size * self.num_layers
 
-    def shape(self, kind: str, count: int, head_dim: int, *, window_tokens: int = 0) -> tuple[int, ...]:
-        """Shape of one stored array (K or V) of a region; count is blocks, or seqs for the window."""
+    def shape(self, kind: str, count: int, head_dim: int, *, window_tokens: int = 0, array: str = "k") -> tuple[int, ...]:
+        """Shape of one stored array (array "k" or "v") of a region; count is blocks, or seqs for the window."""
         if kind == "cpu_compute":
-            return (self.num_layers, self.num_kv_heads, count, self.block_size, head_dim)
+            outer = (self.num_layers, self.num_kv_heads, count)
+            if self.compute_layout == TOKEN_MAJOR:
+                return (*outer, self.block_size, head_dim)
+            return (*outer, *paired_block_shape(array, self.block_size, head_dim))
         if kind == "cpu_transfer":
             return (self.num_layers, count, self.num_kv_heads, self.block_size, head_dim)
         if kind == "gpu_window":
@@ -82,11 +104,16 @@ class KVFormat:
             return (2, count, self.num_kv_heads, self.block_size, head_dim)
         raise ValueError(f"unknown region kind {kind!r}; known: {', '.join(LAYOUTS)}")
 
+    @property
+    def stored_arrays(self) -> tuple[tuple[str, int], ...]:
+        """(name, head_dim) of each stored array: (("k", K),) when V lives inside K."""
+        return tuple(zip(("k", "v"), self.stored_dims, strict=False))
+
     def nbytes(self, kind: str, count: int, *, window_tokens: int = 0) -> int:
         total = 0
-        for dim in self.stored_dims:
+        for array, dim in self.stored_arrays:
             elements = 1
-            for size in self.shape(kind, count, dim, window_tokens=window_tokens):
+            for size in self.shape(kind, count, dim, window_tokens=window_tokens, array=array):
                 elements *= size
             total += elements * self.itemsize
         return total
@@ -99,3 +126,31 @@ class KVFormat:
         if not isinstance(data, dict) or set(data) != set(cls.__dataclass_fields__):
             raise ValueError(f"a KVFormat needs exactly the fields {sorted(cls.__dataclass_fields__)}, got {data!r}")
         return cls(**data)
+
+
+def paired_block_shape(array: str, block_size: int, head_dim: int) -> tuple[int, int, int]:
+    """A block's K [head_dim / 2, block_size, 2] or V [block_size / 2, head_dim, 2] in the paired layout."""
+    if array == "k":
+        return (head_dim // 2, block_size, 2)
+    if array == "v":
+        return (block_size // 2, head_dim, 2)
+    raise ValueError(f"array must be 'k' or 'v', got {array!r}")
+
+
+def to_paired(array: str, blocks: torch.Tensor) -> torch.Tensor:
+    """[..., block_size, head_dim] token-major blocks -> the paired layout of K or V (a copy):
+    K [..., head_dim / 2, block_size, 2], V [..., block_size / 2, head_dim, 2]."""
+    if array == "k":
+        return blocks.unflatten(-1, (-1, 2)).transpose(-3, -2).contiguous()
+    if array == "v":
+        return blocks.unflatten(-2, (-1, 2)).transpose(-2, -1).contiguous()
+    raise ValueError(f"array must be 'k' or 'v', got {array!r}")
+
+
+def from_paired(array: str, blocks: torch.Tensor) -> torch.Tensor:
+    """The inverse of to_paired: paired K or V blocks -> [..., block_size, head_dim] (a copy)."""
+    if array == "k":
+        return blocks.transpose(-3, -2).flatten(-2)
+    if array == "v":
+        return blocks.transpose(-2, -1).flatten(-3, -2)
+    raise ValueError(f"array must be 'k' or 'v', got {array!r}")

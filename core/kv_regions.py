@@ -140,12 +140,12 @@ class RegionHandle:
             raise ValueError(f"handle shard ({self.shard}) and num_blocks ({self.num_blocks}) must be >= 0")
         if self.owner_pid < 1 or self.fd < 0:
             raise ValueError(f"handle owner_pid ({self.owner_pid}) must be >= 1 and fd ({self.fd}) >= 0")
-        dims = self.format.stored_dims
-        if len(self.offsets) != len(dims):
-            raise ValueError(f"handle has {len(self.offsets)} offsets for {len(dims)} stored arrays")
+        stored = self.format.stored_arrays
+        if len(self.offsets) != len(stored):
+            raise ValueError(f"handle has {len(self.offsets)} offsets for {len(stored)} stored arrays")
         end = 0
-        for offset, dim in zip(self.offsets, dims, strict=True):
-            nbytes = _array_bytes(self.format, self.kind, self.num_blocks, dim)
+        for offset, (array, dim) in zip(self.offsets, stored, strict=True):
+            nbytes = _array_bytes(self.format, self.kind, self.num_blocks, dim, array)
             if offset < end or offset % _ALIGN_BYTES:
                 raise ValueError(f"handle offset {offset} overlaps the previous array or is not {_ALIGN_BYTES}-aligned")
             end = offset + nbytes
@@ -190,8 +190,8 @@ class RegionHandle:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-def _array_bytes(fmt: KVFormat, kind: str, num_blocks: int, head_dim: int) -> int:
-    return int(np.prod(fmt.shape(kind, num_blocks, head_dim))) * fmt.itemsize
+def _array_bytes(fmt: KVFormat, kind: str, num_blocks: int, head_dim: int, array: str) -> int:
+    return int(np.prod(fmt.shape(kind, num_blocks, head_dim, array=array))) * fmt.itemsize
 
 
 class HostRegion:
@@ -206,8 +206,8 @@ class HostRegion:
         self._segment = segment
         self.handle = handle
         self.owner = segment.owned
-        self.arrays = [self._view(offset, dim) for offset, dim in zip(handle.offsets, handle.format.stored_dims,
-                                                                       strict=True)]
+        self.arrays = [self._view(offset, array, dim)
+                       for offset, (array, dim) in zip(handle.offsets, handle.format.stored_arrays, strict=True)]
         # Page-locking is per mapping: each process that maps a pinned region (the owner, or the GPU
         # worker attaching it) registers its own view with CUDA, where CUDA is present.
         self._pinned = handle.pinned and _pin(segment)
@@ -217,9 +217,9 @@ class HostRegion:
                label: str = "cache") -> HostRegion:
         """label names the segment (with kind, shard and a random suffix) in /proc/PID/maps."""
         offsets, end = [], 0
-        for dim in fmt.stored_dims:
+        for array, dim in fmt.stored_arrays:
             offsets.append(end)
-            end = _align(end + _array_bytes(fmt, kind, num_blocks, dim))
+            end = _align(end + _array_bytes(fmt, kind, num_blocks, dim, array))
         pin = torch.cuda.is_available() and kind == "cpu_transfer" if pin is None else pin
         segment = Segment.create(segment_name(f"{label}_{kind}_{shard}"), max(end, 1))
         handle = RegionHandle(kind=kind, shm_name=segment.name, owner_pid=segment.owner_pid, fd=segment.fd,
@@ -261,9 +261,9 @@ class HostRegion:
         fmt = self.handle.format
         return self.arrays[0][..., : fmt.head_dim_v] if fmt.v_in_k else self.arrays[1]
 
-    def _view(self, offset: int, head_dim: int) -> torch.Tensor:
+    def _view(self, offset: int, array: str, head_dim: int) -> torch.Tensor:
         fmt = self.handle.format
-        shape = fmt.shape(self.handle.kind, self.handle.num_blocks, head_dim)
+        shape = fmt.shape(self.handle.kind, self.handle.num_blocks, head_dim, array=array)
         array = np.ndarray(shape, dtype=_NUMPY_STORAGE[fmt.dtype], buffer=self._segment.buf, offset=offset)
         tensor = torch.from_numpy(array)
         return tensor.view(torch.bfloat16) if fmt.dtype == "bfloat16" else tensor

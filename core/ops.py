@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from writescope import env, reference
+from writescope.kv_format import PAIRED, TOKEN_MAJOR, from_paired
 
 BACKENDS = ("torch", "cpu", "triton")
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -49,14 +50,29 @@ def partial_attention(q, k, v, *, scale=None, backend="cpu"):
 
 
 class KVSource(NamedTuple):
-    """One paged KV source of a batch: k_cache [num_blocks, num_kv_heads, block_size, head_dim_qk],
-    v_cache [num_blocks, num_kv_heads, block_size, head_dim_v], block_table [num_seqs, max_blocks]
-    int32, seq_lens [num_seqs] int32."""
+    """One paged KV source of a batch: block_table [num_seqs, max_blocks] int32, seq_lens [num_seqs]
+    int32, and the blocks in one of two layouts (kv_format):
+        token_major  k_cache [num_blocks, num_kv_heads, block_size, head_dim_qk],
+                     v_cache [num_blocks, num_kv_heads, block_size, head_dim_v]
+        paired       k_cache [num_blocks, num_kv_heads, head_dim_qk / 2, block_size, 2],
+                     v_cache [num_blocks, num_kv_heads, block_size / 2, head_dim_v, 2]
+                     (cpu_compute's; the cpu backend reads it as is, the others from a token-major copy)
+    The layout is told by k_cache's rank (4 or 5)."""
 
     k_cache: torch.Tensor
     v_cache: torch.Tensor
     block_table: torch.Tensor
     seq_lens: torch.Tensor
+
+    @property
+    def layout(self) -> str:
+        return PAIRED if self.k_cache.dim() == 5 else TOKEN_MAJOR
+
+    def token_major(self) -> KVSource:
+        """This source in the token-major layout (itself when it is; a copy of the blocks when paired)."""
+        if self.layout == TOKEN_MAJOR:
+            return self
+        return KVSource(from_paired("k", self.k_cache), from_paired("v", self.v_cache), self.block_table, self.seq_lens)
 
 
 def paged_partial_attention(q, k_cache, v_cache, block_table, seq_lens, *, scale=None, backend="cpu"):
@@ -86,14 +102,14 @@ def multi_source_partial_attention(q, sources, *, scale=None, backend="cpu"):
         raise ValueError("sources must hold at least one KVSource")
     sources = [KVSource(*source) for source in sources]
     for source in sources:
-        _check_paged_structure(q, *source)
-    if len({s.v_cache.shape[-1] for s in sources}) != 1:
+        _check_paged_structure(q, source)
+    if len({_head_dim_v(s) for s in sources}) != 1:
         raise ValueError("every source must have the same head_dim_v")
     _check_devices(backend, q, *(t for source in sources for t in source))
     scale = _resolve_scale(scale, q.shape[-1])
     if backend == "triton":
         for source in sources:
-            _check_block_values(source)
+            _check_block_values(source.token_major())
     return attend(q, sources, scale, backend)
 
 
@@ -103,12 +119,12 @@ def attend(q, sources, scale: float, backend: str):
     the hot path. The C++ launcher still checks every argument, and every block id, before a read.
     q [num_seqs, num_q_heads, head_dim_qk] -> (out [num_seqs, num_q_heads, head_dim_v], lse [num_seqs, num_q_heads])."""
     if backend == "triton":
-        return _triton_module().paged_attention(q, sources, scale)
+        return _triton_module().paged_attention(q, [s.token_major() for s in sources], scale)
     if backend == "torch":
-        partials = [reference.paged_attention(q, *source, scale) for source in sources]
+        partials = [reference.paged_attention(q, *source.token_major(), scale) for source in sources]
         return partials[0] if len(partials) == 1 else reference.merge_partials(
             torch.stack([p[0] for p in partials]), torch.stack([p[1] for p in partials]))
-    return merge([_cpu_paged_attention(q, *source, scale) for source in sources])
+    return merge([cpu_paged_attention_timed(q, source, scale)[:2] for source in sources])
 
 
 class Partial(NamedTuple):
@@ -187,22 +203,39 @@ def _check_devices(backend, *tensors):
             raise ValueError(f"the triton backend takes CUDA tensors, got {device}")
 
 
-def _check_paged_structure(q, k_cache, v_cache, block_table, seq_lens):
+def _head_dim_v(source: KVSource) -> int:
+    return source.v_cache.shape[-2] if source.layout == PAIRED else source.v_cache.shape[-1]
+
+
+def _check_paged_structure(q, source: KVSource):
+    k_cache, v_cache, block_table, seq_lens = source
     _check_tensor(q, "q", 3, "[num_seqs, num_q_heads, head_dim_qk]", QUERY_DTYPES)
-    _check_tensor(k_cache, "k_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_qk]", KV_DTYPES)
-    _check_tensor(v_cache, "v_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_v]", KV_DTYPES)
+    if isinstance(k_cache, torch.Tensor) and k_cache.dim() == 5:
+        _check_tensor(k_cache, "k_cache", 5, "[num_blocks, num_kv_heads, head_dim_qk / 2, block_size, 2] (paired)",
+                      KV_DTYPES)
+        _check_tensor(v_cache, "v_cache", 5, "[num_blocks, num_kv_heads, block_size / 2, head_dim_v, 2] (paired)",
+                      KV_DTYPES)
+        num_blocks, num_kv_heads, k_pairs, block_size, k_pair = k_cache.shape
+        k_dim = 2 * k_pairs
+        v_blocks, v_heads, v_pairs, _, v_pair = v_cache.shape
+        if (v_blocks, v_heads, 2 * v_pairs, k_pair, v_pair) != (num_blocks, num_kv_heads, block_size, 2, 2):
+            raise ValueError(f"paired k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must agree in "
+                             "blocks, heads and block size, with pairs of 2")
+    else:
+        _check_tensor(k_cache, "k_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_qk]", KV_DTYPES)
+        _check_tensor(v_cache, "v_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_v]", KV_DTYPES)
+        num_blocks, num_kv_heads, block_size, k_dim = k_cache.shape
+        if tuple(v_cache.shape[:3]) != (num_blocks, num_kv_heads, block_size):
+            raise ValueError(
+                f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)} in blocks, heads and block size"
+            )
     _check_tensor(block_table, "block_table", 2, "[num_seqs, max_blocks_per_seq]", (torch.int32,))
     _check_tensor(seq_lens, "seq_lens", 1, "[num_seqs]", (torch.int32,))
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache ({k_cache.dtype}) and v_cache ({v_cache.dtype}) must have the same dtype")
     num_seqs, num_q_heads, head_dim_qk = q.shape
-    num_blocks, num_kv_heads, block_size, k_dim = k_cache.shape
     if k_dim != head_dim_qk:
         raise ValueError(f"k_cache head_dim_qk {k_dim} differs from q's {head_dim_qk}")
-    if tuple(v_cache.shape[:3]) != (num_blocks, num_kv_heads, block_size):
-        raise ValueError(
-            f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)} in blocks, heads and block size"
-        )
     if num_kv_heads < 1 or num_q_heads % num_kv_heads != 0:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
     if block_table.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
@@ -272,21 +305,17 @@ def _cpu_module():
     return _cpu
 
 
-def _cpu_paged_attention(q, k_cache, v_cache, block_table, seq_lens, scale):
-    out, lse, _ = cpu_paged_attention_timed(q, k_cache, v_cache, block_table, seq_lens, scale)
-    return out, lse
-
-
-def cpu_paged_attention_timed(q, k_cache, v_cache, block_table, seq_lens, scale):
-    """The C++ kernel over one source -> (out, lse, the kernel's own seconds: a wait for its pool,
-    held by another caller, is not counted)."""
+def cpu_paged_attention_timed(q, source: KVSource, scale):
+    """The C++ kernel over one source (either layout) -> (out, lse, the kernel's own seconds: a wait
+    for its pool, held by another caller, is not counted)."""
+    k_cache, v_cache, block_table, seq_lens = source
     num_seqs, num_q_heads, _ = q.shape
-    out = torch.empty((num_seqs, num_q_heads, v_cache.shape[-1]), dtype=torch.float32)
+    out = torch.empty((num_seqs, num_q_heads, _head_dim_v(source)), dtype=torch.float32)
     lse = torch.empty((num_seqs, num_q_heads), dtype=torch.float32)
     seconds = _cpu_module().paged_attention(
         _as_numpy(q), _as_numpy(k_cache), _as_numpy(v_cache), _as_numpy(block_table), _as_numpy(seq_lens),
         out.numpy(), lse.numpy(),
-        q_dtype=_DTYPE_NAMES[q.dtype], kv_dtype=_DTYPE_NAMES[k_cache.dtype], scale=scale,
+        q_dtype=_DTYPE_NAMES[q.dtype], kv_dtype=_DTYPE_NAMES[k_cache.dtype], layout=source.layout, scale=scale,
     )
     return out, lse, seconds
 

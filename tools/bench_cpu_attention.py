@@ -1,10 +1,15 @@
 """CPU partial attention against this machine's roofline and against torch, in one run.
 
-For each context length and model shape (bf16 KV, one decode query): the median time of
-`ops.partial_attention(backend="cpu")`, its achieved KV GB/s and GFLOP/s, the roofline time
-max(KV bytes / read bandwidth, FLOPs / FMA peak) with both figures measured in the same run by the
-extension's own probes, the fraction of roofline reached, and the speed ratio against torch SDPA
-(bf16 and float32 inputs) and torch bmm + softmax on the same shapes.
+For each context length and model shape (bf16 KV, one decode query): the median time of the C++
+kernel over KV stored as cpu_compute stores it (16-token blocks, head-major, the paired block
+layout for GQA/MHA and token-major latents for MLA; the sequence's blocks in runs of 16 consecutive
+physical ids, the runs in shuffled order: what the lowest-first allocator gives when sequences
+interleave their 256-token window flushes; --run-blocks 1 shuffles every block), its achieved KV GB/s and GFLOP/s, the roofline time max(KV bytes / read bandwidth, FLOPs /
+multiply-add peak) with both figures measured in the same run by the extension's own probes (the
+streaming read with all kernel threads; the peak of the multiply-add instruction the kernel uses
+here: float32 FMA, or the bf16 dot where it measured faster), the fraction of roofline reached,
+and the speed ratio against torch SDPA (bf16 and float32 inputs) and torch bmm + softmax on the
+same shapes (contiguous tensors, their best case).
 
 FLOPs = 2 * num_q_heads * seq_len * (head_dim_qk + head_dim_v)  (QK^T and PV multiply-adds)
 KV bytes = num_kv_heads * seq_len * (head_dim_qk + head_dim_v) * 2, but MLA reads its latent once:
@@ -25,7 +30,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from writescope import _cpu, ops
-from writescope.calibration import median_time_s
+from writescope.calibration import cpu_model, median_time_s
+from writescope.kv_format import to_paired
 from writescope.tools.results import write_json
 
 log = logging.getLogger("bench_cpu_attention")
@@ -66,6 +72,31 @@ def make_inputs(shape: Shape, seq_len: int):
     return q, k, v
 
 
+BLOCK_SIZE = 16
+
+
+def cache_source(shape: Shape, k, v, generator: torch.Generator, run_blocks: int) -> ops.KVSource:
+    """k, v [num_kv_heads, seq_len, dim] -> one sequence's KVSource laid out as cpu_compute lays it out:
+    [num_kv_heads, num_blocks, <block>] storage seen as [num_blocks, num_kv_heads, <block>], the
+    sequence's blocks in runs of run_blocks consecutive physical ids, the runs shuffled."""
+    num_blocks = k.shape[1] // BLOCK_SIZE
+    num_runs = -(-num_blocks // run_blocks)
+    runs = torch.randperm(num_runs, generator=generator)
+    order = (runs[:, None] * run_blocks + torch.arange(run_blocks)[None]).flatten()
+    order = order[order < num_blocks]
+    inverse = torch.argsort(order)  # physical block inverse[j] holds logical block j
+
+    def stored(array, name):
+        blocks = array.unflatten(1, (num_blocks, BLOCK_SIZE))[:, order]  # [kv, physical, bs, dim]
+        if not shape.v_is_latent:
+            blocks = to_paired(name, blocks)
+        return blocks.contiguous().transpose(0, 1)
+
+    k_cache = stored(k, "k")
+    v_cache = k_cache[..., : shape.head_dim_v] if shape.v_is_latent else stored(v, "v")
+    return ops.KVSource(k_cache, v_cache, inverse.to(torch.int32)[None], torch.tensor([k.shape[1]], dtype=torch.int32))
+
+
 def sdpa(q, k, v, scale):
     # q [num_q_heads, head_dim] -> [1, num_q_heads, 1, head_dim]; k, v [1, num_kv_heads, seq_len, dim]
     return torch.nn.functional.scaled_dot_product_attention(
@@ -92,7 +123,9 @@ def measure_peers(q, k, v, scale, warmup, repeats):
 def bench_row(shape, seq_len, roofline, args):
     q, k, v = make_inputs(shape, seq_len)
     scale = shape.head_dim_qk**-0.5
-    kernel_s = median_time_s(lambda: ops.partial_attention(q, k, v, scale=scale), args.repeats, args.warmup)
+    source = cache_source(shape, k, v, torch.Generator().manual_seed(seq_len), args.run_blocks)
+    check_against_reference(q, source, k, v, scale)
+    kernel_s = median_time_s(lambda: ops.cpu_paged_attention_timed(q[None], source, scale), args.repeats, args.warmup)
     peers = {} if args.no_peers else measure_peers(q, k, v, scale, 1, args.peer_repeats)
     nbytes, nflops = kv_bytes(shape, seq_len), flops(shape, seq_len)
     row = {
@@ -108,23 +141,41 @@ def bench_row(shape, seq_len, roofline, args):
     return row
 
 
+def check_against_reference(q, source, k, v, scale):
+    """The benchmarked call's result against the float32 torch reference on the same bytes."""
+    out, lse, _ = ops.cpu_paged_attention_timed(q[None], source, scale)
+    ref_out, ref_lse = ops.partial_attention(q, k, v, scale=scale, backend="torch")
+    torch.testing.assert_close(out[0], ref_out, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(lse[0], ref_lse, atol=2e-5, rtol=1e-5)
+
+
 def rescale_to_roofline(row: dict, shape: Shape, roofline: dict) -> None:
     nbytes, nflops = kv_bytes(shape, row["seq_len"]), flops(shape, row["seq_len"])
     memory_s = nbytes / (roofline["read_gbps"] * 1e9)
-    compute_s = nflops / (roofline["fma_gflops"] * 1e9)
+    compute_s = nflops / (roofline["mac_gflops"] * 1e9)
     row["roofline_ms"] = max(memory_s, compute_s) * 1e3
     row["bound"] = "memory" if memory_s >= compute_s else "compute"
     row["fraction_of_roofline"] = row["roofline_ms"] / row["kernel_ms"]
 
 
 def measure_roofline(read_bytes: int) -> dict:
+    """The streaming read and the multiply-add peaks with the kernel's variant and threads; mac_gflops is
+    the peak of the instruction the kernel uses for its multiply-adds on this CPU."""
     read = statistics.median(_cpu.read_bandwidth(read_bytes, 7))
     fma = statistics.median(_cpu.fma_peak(20_000_000, 5))
-    return {"read_gbps": read, "fma_gflops": fma}
+    dot = statistics.median(_cpu.dot_peak(10_000_000, 5)) if "bf16" in _cpu.__cpu_variant__ else None
+    return {"read_gbps": read, "fma_gflops": fma, "dot_gflops": dot,
+            "mac_gflops": dot if _cpu.uses_bf16_dot() else fma}
 
 
 def markdown_table(result: dict) -> str:
+    m = result["machine"]
+    dot = "-" if m["dot_gflops"] is None else f"{m['dot_gflops']:.0f}"
     lines = [
+        f"{m['cpu_model']}, variant `{m['cpu_variant']}` (bf16 dot used: {'yes' if m['uses_bf16_dot'] else 'no'}), "
+        f"{m['threads']} threads; read {m['read_gbps']:.1f} GB/s, FMA {m['fma_gflops']:.0f} GFLOP/s, "
+        f"bf16 dot {dot} GFLOP/s; blocks in runs of {m['run_blocks']}",
+        "",
         "| shape | L | kernel ms | KV GB/s | GFLOP/s | bound | roofline ms | of roofline | vs SDPA bf16 | vs SDPA fp32 "
         "| vs bmm+softmax |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -149,17 +200,25 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--repeats", type=int, default=9, help="timed kernel calls (median reported)")
     parser.add_argument("--peer-repeats", type=int, default=3, help="timed calls of each torch peer")
     parser.add_argument("--no-peers", action="store_true", help="skip the torch peers")
+    parser.add_argument("--run-blocks", type=int, default=16,
+                        help="consecutive physical blocks per run (16: one window flush; 1: every block shuffled)")
     parser.add_argument("--read-bytes", type=int, default=1 << 30, help="buffer of the bandwidth probe")
     parser.add_argument("--out", default="bench_results/cpu_attention.json", help="JSON output path")
     args = parser.parse_args(argv)
+    if args.run_blocks < 1:
+        parser.error(f"--run-blocks must be >= 1, got {args.run_blocks}")
+    bad = [n for n in args.seq_lens if n < BLOCK_SIZE or n % BLOCK_SIZE]
+    if bad:
+        parser.error(f"--seq-lens must be positive multiples of the block size {BLOCK_SIZE}, got {bad}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     torch.manual_seed(0)
 
     # This host's bandwidth drifts between runs (shared machine): the roofline is the best of a
     # probe before and a probe after the rows, so the fractions are conservative.
     roofline = measure_roofline(args.read_bytes)
-    log.info("variant %s, %d threads, read %.1f GB/s, FMA %.0f GFLOP/s", _cpu.__cpu_variant__,
-             _cpu.num_threads(), roofline["read_gbps"], roofline["fma_gflops"])
+    log.info("%s, variant %s (bf16 dot used: %s), %d threads, read %.1f GB/s, FMA %.0f GFLOP/s, bf16 dot %s GFLOP/s",
+             cpu_model(), _cpu.__cpu_variant__, _cpu.uses_bf16_dot(), _cpu.num_threads(), roofline["read_gbps"],
+             roofline["fma_gflops"], "-" if roofline["dot_gflops"] is None else f"{roofline['dot_gflops']:.0f}")
     rows = []
     shapes_by_name = {s.name: s for s in SHAPES}
     for shape in (s for s in SHAPES if s.name in args.shapes):
@@ -170,12 +229,13 @@ def main(argv: list[str] | None = None):
             rows.append(row)
     after = measure_roofline(args.read_bytes)
     log.info("after the rows: read %.1f GB/s, FMA %.0f GFLOP/s", after["read_gbps"], after["fma_gflops"])
-    best = {key: max(roofline[key], after[key]) for key in roofline}
+    best = {key: None if roofline[key] is None else max(roofline[key], after[key]) for key in roofline}
     for row in rows:
         rescale_to_roofline(row, shapes_by_name[row["shape"]], best)
     roofline = {**best, "probes": [roofline, after]}
     result = {
-        "machine": {"cpu_variant": _cpu.__cpu_variant__, "threads": _cpu.num_threads(),
+        "machine": {"cpu_model": cpu_model(), "cpu_variant": _cpu.__cpu_variant__,
+                    "uses_bf16_dot": _cpu.uses_bf16_dot(), "threads": _cpu.num_threads(), "run_blocks": args.run_blocks,
                     "torch_threads": torch.get_num_threads(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), **roofline},
         "shapes": [asdict(s) for s in SHAPES if s.name in args.shapes],

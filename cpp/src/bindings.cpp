@@ -20,9 +20,9 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("paged_attention", &paged_attention, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
         py::arg("v_cache").noconvert(), py::arg("block_table").noconvert(), py::arg("seq_lens").noconvert(),
         py::arg("out").noconvert(), py::arg("lse").noconvert(), py::kw_only(), py::arg("q_dtype"),
-        py::arg("kv_dtype"), py::arg("scale"), py::arg("chunk_tokens") = 512,
-        "Decode attention over a paged head-major KV cache; writes out and lse in place and returns the "
-        "kernel's seconds (a wait for the pool held by another caller excluded).");
+        py::arg("kv_dtype"), py::arg("layout") = "token_major", py::arg("scale"), py::arg("chunk_tokens") = 512,
+        "Decode attention over a paged head-major KV cache (layout token_major or paired); writes out and lse "
+        "in place and returns the kernel's seconds (a wait for the pool held by another caller excluded).");
   m.def("merge_partials", &merge_partials, py::arg("outs").noconvert(), py::arg("lses").noconvert(),
         py::arg("out").noconvert(), py::arg("lse").noconvert(),
         "Merges normalised partials by their natural-log LSE; writes out and lse in place.");
@@ -42,4 +42,9 @@ PYBIND11_MODULE(_cpu, m) {
         "Streaming-read bandwidth in GB/s per repeat, with the current variant and pool.");
   m.def("fma_peak", &fma_peak, py::arg("iterations"), py::arg("repeats"),
         "Float32 FMA throughput in GFLOP/s per repeat, with the current variant and pool.");
+  m.def("dot_peak", &dot_peak, py::arg("iterations"), py::arg("repeats"),
+        "BF16 dot-product (vdpbf16ps) throughput in GFLOP/s per repeat, with the current variant and pool.");
+  m.def("uses_bf16_dot", [] { return runtime().bf16_dot_faster; },
+        "Whether the kernels take bf16 q.K through the bf16 dot product: only where the variant has one and "
+        "it measured faster than float32 FMAs on this CPU.");
 }

@@ -23,6 +23,7 @@ void attend_item_avx512bf16(const PagedAttentionArgs& args, const WorkItem& item
 }
 double read_sum_avx512bf16(const float* data, int64_t count) { return read_sum<Avx512Bf16Simd>(data, count); }
 double fma_burst_avx512bf16(int64_t iterations) { return FmaBurst<Avx512Bf16Simd>::run(iterations); }
+double dot_burst_avx512bf16(int64_t iterations) { return DotBurst<Avx512Bf16Simd>::run(iterations); }
 }  // namespace
 }  // namespace writescope
 #pragma GCC pop_options
@@ -30,7 +31,8 @@ double fma_burst_avx512bf16(int64_t iterations) { return FmaBurst<Avx512Bf16Simd
 namespace writescope {
 const IsaKernels& avx512bf16_kernels() {
   static const IsaKernels kernels{"avx512bf16", &attend_item_avx512bf16, &read_sum_avx512bf16, &fma_burst_avx512bf16,
-                                  FmaBurst<Avx512Bf16Simd>::kFlopsPerIteration};
+                                  FmaBurst<Avx512Bf16Simd>::kFlopsPerIteration, &dot_burst_avx512bf16,
+                                  DotBurst<Avx512Bf16Simd>::kFlopsPerIteration};
   return kernels;
 }
 }  // namespace writescope

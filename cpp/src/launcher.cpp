@@ -91,6 +91,16 @@ void check_block_table(const PagedAttentionArgs& a, int64_t max_blocks, int64_t 
   }
 }
 
+// The paired layout's last three dims, a (block, head)'s K or V, must be one C-contiguous run.
+void check_block_contiguous(const std::vector<int64_t>& strides, const py::array& a, const char* name) {
+  if (a.size() == 0) return;
+  const int64_t inner = a.shape(3) * a.shape(4);
+  if (strides[4] != 1 || strides[3] != a.shape(4) || strides[2] != inner)
+    fail(std::string(name) + ": its last three dims (one block of one head) must be contiguous, got strides " +
+         std::to_string(strides[2]) + ", " + std::to_string(strides[3]) + ", " + std::to_string(strides[4]) +
+         " elements");
+}
+
 // The block table and lengths are copied while the GIL is held, then checked and used from the
 // copies: a Python thread changing the arrays after the check cannot steer the kernel out of bounds.
 struct IndexCopies {
@@ -98,16 +108,29 @@ struct IndexCopies {
   std::vector<int32_t> lens;
 };
 
+KvLayout parse_layout(const std::string& name) {
+  if (name == "token_major") return KvLayout::kTokenMajor;
+  if (name == "paired") return KvLayout::kPaired;
+  fail("layout: '" + name + "' is not supported; allowed: token_major, paired");
+}
+
 PagedAttentionArgs check_attention_args(const py::array& q, const py::array& k, const py::array& v,
                                         const py::array& table, const py::array& lens, py::array& out,
                                         py::array& lse, const std::string& q_dtype, const std::string& kv_dtype,
-                                        double scale, IndexCopies& copies) {
+                                        const std::string& layout, double scale, IndexCopies& copies) {
   PagedAttentionArgs a{};
+  a.layout = parse_layout(layout);
+  const bool paired = a.layout == KvLayout::kPaired;
   a.q_dtype = parse_dtype(q_dtype, "q_dtype");
   a.kv_dtype = parse_dtype(kv_dtype, "kv_dtype");
   check_ndim(q, "q", 3, "[num_seqs, num_q_heads, head_dim_qk]");
-  check_ndim(k, "k_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_qk]");
-  check_ndim(v, "v_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_v]");
+  if (paired) {
+    check_ndim(k, "k_cache", 5, "[num_blocks, num_kv_heads, head_dim_qk / 2, block_size, 2] (layout paired)");
+    check_ndim(v, "v_cache", 5, "[num_blocks, num_kv_heads, block_size / 2, head_dim_v, 2] (layout paired)");
+  } else {
+    check_ndim(k, "k_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_qk]");
+    check_ndim(v, "v_cache", 4, "[num_blocks, num_kv_heads, block_size, head_dim_v]");
+  }
   check_ndim(table, "block_table", 2, "[num_seqs, max_blocks_per_seq]");
   check_ndim(lens, "seq_lens", 1, "[num_seqs]");
   check_ndim(out, "out", 3, "[num_seqs, num_q_heads, head_dim_v]");
@@ -124,7 +147,7 @@ PagedAttentionArgs check_attention_args(const py::array& q, const py::array& k, 
   a.num_q_heads = q.shape(1);
   a.head_dim_qk = q.shape(2);
   a.num_kv_heads = k.shape(1);
-  a.block_size = k.shape(2);
+  a.block_size = paired ? k.shape(3) : k.shape(2);
   a.head_dim_v = v.shape(3);
   const int64_t num_blocks = k.shape(0);
   if (a.num_q_heads < 1 || a.num_kv_heads < 1 || a.head_dim_qk < 1 || a.head_dim_v < 1)
@@ -133,10 +156,22 @@ PagedAttentionArgs check_attention_args(const py::array& q, const py::array& k, 
   if (a.num_q_heads % a.num_kv_heads != 0)
     fail("num_q_heads (" + std::to_string(a.num_q_heads) + ") must be a multiple of num_kv_heads (" +
          std::to_string(a.num_kv_heads) + ")");
-  check_dim(k, "k_cache", 3, a.head_dim_qk, "head_dim_qk, as in q");
-  check_dim(v, "v_cache", 0, num_blocks, "num_blocks, as in k_cache");
-  check_dim(v, "v_cache", 1, a.num_kv_heads, "num_kv_heads, as in k_cache");
-  check_dim(v, "v_cache", 2, a.block_size, "block_size, as in k_cache");
+  if (paired) {
+    if (a.head_dim_qk % 2 || a.block_size % 2 || a.block_size < 2)
+      fail("layout paired needs an even head_dim_qk and an even block_size >= 2; got head_dim_qk " +
+           std::to_string(a.head_dim_qk) + ", block_size " + std::to_string(a.block_size));
+    check_dim(k, "k_cache", 2, a.head_dim_qk / 2, "head_dim_qk / 2, as in q");
+    check_dim(k, "k_cache", 4, 2, "the pair");
+    check_dim(v, "v_cache", 0, num_blocks, "num_blocks, as in k_cache");
+    check_dim(v, "v_cache", 1, a.num_kv_heads, "num_kv_heads, as in k_cache");
+    check_dim(v, "v_cache", 2, a.block_size / 2, "block_size / 2, as in k_cache");
+    check_dim(v, "v_cache", 4, 2, "the pair");
+  } else {
+    check_dim(k, "k_cache", 3, a.head_dim_qk, "head_dim_qk, as in q");
+    check_dim(v, "v_cache", 0, num_blocks, "num_blocks, as in k_cache");
+    check_dim(v, "v_cache", 1, a.num_kv_heads, "num_kv_heads, as in k_cache");
+    check_dim(v, "v_cache", 2, a.block_size, "block_size, as in k_cache");
+  }
   check_dim(table, "block_table", 0, a.num_seqs, "num_seqs, as in q");
   check_dim(lens, "seq_lens", 0, a.num_seqs, "num_seqs, as in q");
   check_dim(out, "out", 0, a.num_seqs, "num_seqs");
@@ -167,6 +202,10 @@ PagedAttentionArgs check_attention_args(const py::array& q, const py::array& k, 
   a.v_block_stride = vs[0];
   a.v_head_stride = vs[1];
   a.v_token_stride = vs[2];
+  if (paired) {  // within a (block, head) the kernel walks K and V as one contiguous run each
+    check_block_contiguous(ks, k, "k_cache");
+    check_block_contiguous(vs, v, "v_cache");
+  }
   const int64_t max_blocks = table.shape(1);
   copies.table.resize(a.num_seqs * max_blocks);
   const auto* table_in = static_cast<const int32_t*>(table.data());
@@ -255,13 +294,18 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 double paged_attention(const py::array& q, const py::array& k_cache, const py::array& v_cache,
                        const py::array& block_table, const py::array& seq_lens, py::array& out, py::array& lse,
-                       const std::string& q_dtype, const std::string& kv_dtype, double scale,
-                       int64_t chunk_tokens) {
+                       const std::string& q_dtype, const std::string& kv_dtype, const std::string& layout,
+                       double scale, int64_t chunk_tokens) {
   if (chunk_tokens < 1) fail("chunk_tokens must be >= 1, got " + std::to_string(chunk_tokens));
   AttentionJob job;
   IndexCopies copies;
-  job.args = check_attention_args(q, k_cache, v_cache, block_table, seq_lens, out, lse, q_dtype, kv_dtype, scale,
-                                  copies);
+  job.args = check_attention_args(q, k_cache, v_cache, block_table, seq_lens, out, lse, q_dtype, kv_dtype, layout,
+                                  scale, copies);
+  // The paired kernel's items start on block boundaries: chunks are whole blocks.
+  if (job.args.layout == KvLayout::kPaired) {
+    const int64_t bs = job.args.block_size;
+    chunk_tokens = chunk_tokens > std::numeric_limits<int64_t>::max() - bs ? chunk_tokens / bs * bs : (chunk_tokens + bs - 1) / bs * bs;
+  }
   job.group_size = job.args.num_q_heads / job.args.num_kv_heads;
   float* out_ptr = static_cast<float*>(out.mutable_data());
   float* lse_ptr = static_cast<float*>(lse.mutable_data());
@@ -270,8 +314,9 @@ double paged_attention(const py::array& q, const py::array& k_cache, const py::a
   std::lock_guard<std::mutex> lock(rt.mutex);
   const auto started = std::chrono::steady_clock::now();  // the pool is ours from here
   job.kernels = rt.kernels;
+  job.args.use_bf16_dot = rt.bf16_dot_faster;
   job.workspaces = &rt.workspaces;
-  const int64_t ws_bytes = kernel_workspace_bytes(job.group_size, job.args.head_dim_qk);
+  const int64_t ws_bytes = kernel_workspace_bytes(job.group_size, job.args.head_dim_qk, job.args.block_size);
   for (auto& ws : rt.workspaces)
     if (static_cast<int64_t>(ws.size()) < ws_bytes) ws.resize(ws_bytes);
   plan_items(job, chunk_tokens, out_ptr, lse_ptr, rt.chunk_partials);
@@ -342,10 +387,11 @@ struct FmaJob {
   const IsaKernels* kernels;
   int64_t iterations;
   std::atomic<double>* sink;
+  bool dot;  // the bf16 dot product's burst instead of the FMA's
 };
 void fma_item(void* context, int64_t, int) {
   auto& job = *static_cast<FmaJob*>(context);
-  const double value = job.kernels->fma_burst(job.iterations);
+  const double value = job.dot ? job.kernels->dot_burst(job.iterations) : job.kernels->fma_burst(job.iterations);
   double current = job.sink->load();
   while (!job.sink->compare_exchange_weak(current, current + value)) {
   }
@@ -374,20 +420,29 @@ std::vector<double> read_bandwidth(int64_t num_bytes, int repeats) {
   return gbps;
 }
 
-std::vector<double> fma_peak(int64_t iterations, int repeats) {
+std::vector<double> fma_peak(int64_t iterations, int repeats) { return mac_peak(iterations, repeats, false); }
+
+std::vector<double> dot_peak(int64_t iterations, int repeats) {
+  if (runtime().kernels->dot_burst == nullptr)
+    fail(std::string("variant ") + runtime().kernels->name + " has no bf16 dot product; avx512bf16 has");
+  return mac_peak(iterations, repeats, true);
+}
+
+std::vector<double> mac_peak(int64_t iterations, int repeats, bool dot) {
   if (iterations < 1) fail("iterations must be >= 1, got " + std::to_string(iterations));
   if (repeats < 1) fail("repeats must be >= 1, got " + std::to_string(repeats));
   py::gil_scoped_release release;
   Runtime& rt = runtime();
   std::lock_guard<std::mutex> lock(rt.mutex);
   std::atomic<double> sink{0.0};
-  FmaJob job{rt.kernels, iterations, &sink};
+  FmaJob job{rt.kernels, iterations, &sink, dot};
   const int threads = rt.pool->num_threads();
   std::vector<double> gflops;
   for (int r = 0; r < repeats; ++r) {
     const auto start = std::chrono::steady_clock::now();
     rt.pool->run(threads, &fma_item, &job);
-    const double flops = static_cast<double>(threads) * iterations * rt.kernels->fma_flops_per_iteration;
+    const int64_t per_iteration = dot ? rt.kernels->dot_flops_per_iteration : rt.kernels->fma_flops_per_iteration;
+    const double flops = static_cast<double>(threads) * iterations * per_iteration;
     gflops.push_back(flops / seconds_since(start) / 1e9);
   }
   return gflops;

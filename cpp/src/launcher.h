@@ -9,16 +9,18 @@
 namespace writescope {
 namespace py = pybind11;
 
-// q [num_seqs, num_q_heads, head_dim_qk]; k_cache [num_blocks, num_kv_heads, block_size, head_dim_qk];
-// v_cache [num_blocks, num_kv_heads, block_size, head_dim_v]; block_table [num_seqs, max_blocks] int32;
+// q [num_seqs, num_q_heads, head_dim_qk]; layout "token_major": k_cache [num_blocks, num_kv_heads,
+// block_size, head_dim_qk], v_cache [num_blocks, num_kv_heads, block_size, head_dim_v]; layout "paired":
+// k_cache [num_blocks, num_kv_heads, head_dim_qk / 2, block_size, 2], v_cache [num_blocks, num_kv_heads,
+// block_size / 2, head_dim_v, 2] (KvLayout in kernel_args.h); block_table [num_seqs, max_blocks] int32;
 // seq_lens [num_seqs] int32; out [num_seqs, num_q_heads, head_dim_v] float32 (written);
 // lse [num_seqs, num_q_heads] float32 natural log (written), -inf for an empty sequence.
 // Returns the seconds the kernel ran, from taking the pool to its end: a wait for another caller
 // holding the pool (the other side of the split, say) is not in it.
 double paged_attention(const py::array& q, const py::array& k_cache, const py::array& v_cache,
                        const py::array& block_table, const py::array& seq_lens, py::array& out, py::array& lse,
-                       const std::string& q_dtype, const std::string& kv_dtype, double scale,
-                       int64_t chunk_tokens);
+                       const std::string& q_dtype, const std::string& kv_dtype, const std::string& layout,
+                       double scale, int64_t chunk_tokens);
 
 // outs [num_parts, rows, dim], lses [num_parts, rows] float32 -> out [rows, dim], lse [rows].
 void merge_partials(const py::array& outs, const py::array& lses, py::array& out, py::array& lse);
@@ -27,5 +29,8 @@ void merge_partials(const py::array& outs, const py::array& lses, py::array& out
 std::vector<double> read_bandwidth(int64_t num_bytes, int repeats);
 // Float32 FMA throughput in GFLOP/s, one figure per repeat, each lasting `iterations` FMA rounds.
 std::vector<double> fma_peak(int64_t iterations, int repeats);
+// The same for the bf16 dot product (2 multiply-adds per lane per instruction), where the variant has one.
+std::vector<double> dot_peak(int64_t iterations, int repeats);
+std::vector<double> mac_peak(int64_t iterations, int repeats, bool dot);
 
 }  // namespace writescope

@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <stdexcept>
 
@@ -63,11 +64,38 @@ std::vector<std::string> available_variants() {
   return names;
 }
 
+namespace {
+// Multiply-adds per second of a burst on this thread, best of three ~1 ms runs.
+double burst_rate(double (*burst)(int64_t), int64_t flops_per_iteration) {
+  constexpr int64_t kIterations = 100000;
+  double best = 0.0;
+  for (int r = 0; r < 3; ++r) {
+    const auto start = std::chrono::steady_clock::now();
+    volatile double sink = burst(kIterations);
+    (void)sink;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double rate = static_cast<double>(kIterations * flops_per_iteration) / s;
+    best = rate > best ? rate : best;
+  }
+  return best;
+}
+
+// The dot path must win clearly: a near tie would let noise pick different arithmetic per process.
+constexpr double kDotMargin = 1.3;
+bool dot_is_faster(const IsaKernels& k) {
+  if (k.dot_burst == nullptr) return false;
+  return burst_rate(k.dot_burst, k.dot_flops_per_iteration) >
+         kDotMargin * burst_rate(k.fma_burst, k.fma_flops_per_iteration);
+}
+}  // namespace
+
 void select_variant(const std::string& name) {
   for (const auto& v : all_variants()) {
     if (name == v.name && v.supported()) {
+      const bool dot_faster = dot_is_faster(v.kernels());
       std::lock_guard<std::mutex> lock(runtime().mutex);
       runtime().kernels = &v.kernels();
+      runtime().bf16_dot_faster = dot_faster;
       return;
     }
   }

@@ -166,9 +166,9 @@ class _LongKernel:
 
         tokens = 1 << 18
         kv = [torch.randn(tokens // 16, 2, 16, 64).to(torch.bfloat16) for _ in "kv"]
-        self._args = (torch.randn(4, 8, 64), *kv,
-                      torch.arange(tokens // 16, dtype=torch.int32)[None].expand(4, -1).contiguous(),
-                      torch.full((4,), tokens, dtype=torch.int32))
+        self._args = (torch.randn(4, 8, 64), ops.KVSource(
+            *kv, torch.arange(tokens // 16, dtype=torch.int32)[None].expand(4, -1).contiguous(),
+            torch.full((4,), tokens, dtype=torch.int32)))
         self._attend = ops.cpu_paged_attention_timed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)

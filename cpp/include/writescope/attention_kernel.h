@@ -26,16 +26,25 @@ struct F32Kv {
   using Elem = float;
   template <class S> static typename S::V vec(const float* p) { return S::load(p); }
   static float one(const float* p) { return *p; }
+  template <class S> static void pairs(const float* p, int64_t n, typename S::V& e, typename S::V& o) {
+    S::load_pairs_f32(p, n, e, o);
+  }
 };
 struct Bf16Kv {
   using Elem = uint16_t;
   template <class S> static typename S::V vec(const uint16_t* p) { return S::load_bf16(p); }
   static float one(const uint16_t* p) { return bf16_bits_to_float(*p); }
+  template <class S> static void pairs(const uint16_t* p, int64_t n, typename S::V& e, typename S::V& o) {
+    S::load_pairs_bf16(p, n, e, o);
+  }
 };
 struct Fp16Kv {
   using Elem = uint16_t;
   template <class S> static typename S::V vec(const uint16_t* p) { return S::load_fp16(p); }
   static float one(const uint16_t* p) { return fp16_bits_to_float(*p); }
+  template <class S> static void pairs(const uint16_t* p, int64_t n, typename S::V& e, typename S::V& o) {
+    S::load_pairs_fp16(p, n, e, o);
+  }
 };
 
 #define WS_INLINE inline __attribute__((always_inline))
@@ -54,8 +63,15 @@ struct ItemKernel {
   static constexpr int kScoreAccumulators = S::kRegisters >= 32 ? 16 : 8;
   static constexpr int kValueAccumulators = S::kRegisters >= 32 ? 16 : 8;
 
+  // bf16 K and V widened a pair at a time: one 2W-element load gives the even dims (a shift) and the
+  // odd dims (a mask) as two float32 vectors, one instruction per W values where a plain widening
+  // takes two. q and the output accumulators of [0, split_*) hold each 2W-dim chunk as its W even
+  // dims then its W odd dims; run() puts the output back in order at the end.
+  static constexpr bool kSplitPairs = std::is_same_v<Kv, Bf16Kv> && (W > 1);
+
   const PagedAttentionArgs& a;
   const int64_t group, dim_qk, dim_v;
+  int64_t split_qk = 0, split_v = 0;  // dims [0, split_*) are in the split-pair order (none: 0)
   float* q32;     // [group, dim_qk], pre-scaled
   float* scores;  // [group, kTileTokens]: scores, then probabilities
   float* row_max;  // [group]
@@ -104,12 +120,31 @@ struct ItemKernel {
       const float inv = 1.0f / row_sum[g];
       for (int64_t d = 0; d < dim_v; ++d) item.out[g * dim_v + d] *= inv;
       item.lse[g] = row_max[g] + std::log(row_sum[g]);
+      if (split_v) interleave_pairs(item.out + g * dim_v, split_v);
+    }
+  }
+
+  // Where dim d of [0, split) sits in the split-pair order.
+  static int64_t split_position(int64_t d) {
+    const int64_t within = d % (2 * W);
+    return d - within + (within % 2) * W + within / 2;
+  }
+
+  // Chunks of 2W floats [even dims | odd dims] -> natural order, in place.
+  static void interleave_pairs(float* row, int64_t split) {
+    float chunk[2 * W];
+    for (int64_t c = 0; c < split; c += 2 * W) {
+      for (int64_t i = 0; i < 2 * W; ++i) chunk[i] = row[c + i];
+      for (int64_t i = 0; i < W; ++i) {
+        row[c + 2 * i] = chunk[i];
+        row[c + 2 * i + 1] = chunk[W + i];
+      }
     }
   }
 
   void load_queries(const WorkItem& item) {
     if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
-      bf16_dot = a.q_dtype == DType::kBFloat16;
+      bf16_dot = a.q_dtype == DType::kBFloat16 && a.use_bf16_dot;
       if (bf16_dot) {
         q_bf16 = static_cast<const uint16_t*>(a.q) + item.seq * a.q_seq_stride + item.kv_head * group * a.q_head_stride;
         return;
@@ -124,10 +159,15 @@ struct ItemKernel {
 
   template <class Q>
   void load_queries_as(const WorkItem& item, Q) {
+    if constexpr (kSplitPairs) {
+      split_qk = dim_qk - dim_qk % (2 * W);
+      split_v = dim_v - dim_v % (2 * W);
+    }
     const auto* q = static_cast<const typename Q::Elem*>(a.q) + item.seq * a.q_seq_stride;
     for (int64_t g = 0; g < group; ++g) {
       const auto* row = q + (item.kv_head * group + g) * a.q_head_stride;
-      for (int64_t d = 0; d < dim_qk; ++d) q32[g * dim_qk + d] = Q::one(row + d) * a.scale;
+      for (int64_t d = 0; d < dim_qk; ++d)
+        q32[g * dim_qk + (d < split_qk ? split_position(d) : d)] = Q::one(row + d) * a.scale;
     }
   }
 
@@ -203,11 +243,41 @@ struct ItemKernel {
     }
   }
 
+  template <int GT, int TT>
+  WS_INLINE void score_block_split(int64_t g0, int64_t t0) {
+    V acc[GT * TT];
+    for (int i = 0; i < GT * TT; ++i) acc[i] = S::zero();
+    for (int64_t d = 0; d < split_qk; d += 2 * W) {
+      V even[TT], odd[TT];
+      for (int ti = 0; ti < TT; ++ti) S::load_pairs_bf16(k_rows[t0 + ti] + d, W, even[ti], odd[ti]);
+      for (int gi = 0; gi < GT; ++gi) {
+        const V qe = S::load(q32 + (g0 + gi) * dim_qk + d);
+        const V qo = S::load(q32 + (g0 + gi) * dim_qk + d + W);
+        for (int ti = 0; ti < TT; ++ti)
+          acc[gi * TT + ti] = S::fma(qo, odd[ti], S::fma(qe, even[ti], acc[gi * TT + ti]));
+      }
+    }
+    float sums[GT * TT];
+    reduce_scores<GT * TT>(acc, sums);
+    for (int gi = 0; gi < GT; ++gi) {
+      for (int ti = 0; ti < TT; ++ti) {
+        float s = sums[gi * TT + ti];
+        for (int64_t d = split_qk; d < dim_qk; ++d) s += q32[(g0 + gi) * dim_qk + d] * Kv::one(k_rows[t0 + ti] + d);
+        scores[(g0 + gi) * kTileTokens + t0 + ti] = s;
+      }
+    }
+  }
+
   // GT heads x kScoreAccumulators / GT tokens per block: whole groups of eight horizontal sums.
   template <int GT>
   void score_heads(int64_t g0, int64_t count) {
     constexpr int TT = kScoreAccumulators / GT;
     int64_t t = 0;
+    if constexpr (kSplitPairs) {
+      for (; t + TT <= count; t += TT) score_block_split<GT, TT>(g0, t);
+      for (; t < count; ++t) score_block_split<GT, 1>(g0, t);
+      return;
+    }
     for (; t + TT <= count; t += TT) score_block<GT, TT>(g0, t);
     for (; t < count; ++t) score_block<GT, 1>(g0, t);
   }
@@ -320,11 +390,39 @@ struct ItemKernel {
       for (int vi = 0; vi < NV; ++vi) S::store(acc + (g0 + gi) * dim_v + d0 + vi * W, sum[gi][vi]);
   }
 
+  // GT heads x NC chunks of 2W dims, V widened a pair at a time (the accumulators in split order).
+  template <int GT, int NC>
+  WS_INLINE void value_block_split(int64_t g0, int64_t d0, int64_t count, float* acc) {
+    V sum[GT][NC][2];
+    for (int gi = 0; gi < GT; ++gi)
+      for (int c = 0; c < NC; ++c)
+        for (int h = 0; h < 2; ++h) sum[gi][c][h] = S::load(acc + (g0 + gi) * dim_v + d0 + c * 2 * W + h * W);
+    for (int64_t t = 0; t < count; ++t) {
+      V even[NC], odd[NC];
+      for (int c = 0; c < NC; ++c) S::load_pairs_bf16(v_rows[t] + d0 + c * 2 * W, W, even[c], odd[c]);
+      for (int gi = 0; gi < GT; ++gi) {
+        const V p = S::set1(scores[(g0 + gi) * kTileTokens + t]);
+        for (int c = 0; c < NC; ++c) {
+          sum[gi][c][0] = S::fma(p, even[c], sum[gi][c][0]);
+          sum[gi][c][1] = S::fma(p, odd[c], sum[gi][c][1]);
+        }
+      }
+    }
+    for (int gi = 0; gi < GT; ++gi)
+      for (int c = 0; c < NC; ++c)
+        for (int h = 0; h < 2; ++h) S::store(acc + (g0 + gi) * dim_v + d0 + c * 2 * W + h * W, sum[gi][c][h]);
+  }
+
   template <int GT>
   void value_heads(int64_t g0, int64_t count, float* acc) {
     constexpr int NV = kValueAccumulators / GT > 4 ? 4 : kValueAccumulators / GT;
     const int64_t vec_end = dim_v - dim_v % W;
     int64_t d = 0;
+    if constexpr (kSplitPairs) {
+      constexpr int NC = NV / 2 > 0 ? NV / 2 : 1;
+      for (; d + NC * 2 * W <= split_v; d += NC * 2 * W) value_block_split<GT, NC>(g0, d, count, acc);
+      for (; d < split_v; d += 2 * W) value_block_split<GT, 1>(g0, d, count, acc);
+    }
     for (; d + NV * W <= vec_end; d += NV * W) value_block<GT, NV>(g0, d, count, acc);
     for (; d < vec_end; d += W) value_block<GT, 1>(g0, d, count, acc);
     for (; d < dim_v; ++d) {
@@ -346,16 +444,7 @@ struct ItemKernel {
   }
 };
 
-template <class S>
-void attend_item(const PagedAttentionArgs& args, const WorkItem& item, Workspace ws) {
-  switch (args.kv_dtype) {
-    case DType::kFloat32: ItemKernel<S, F32Kv>(args, ws).run(item); break;
-    case DType::kBFloat16: ItemKernel<S, Bf16Kv>(args, ws).run(item); break;
-    case DType::kFloat16: ItemKernel<S, Fp16Kv>(args, ws).run(item); break;
-  }
-}
-
-#undef WS_INLINE
-
 }  // namespace
 }  // namespace writescope
+
+#include "writescope/paired_kernel.h"  // the paired layout's kernel and attend_item, the dispatch

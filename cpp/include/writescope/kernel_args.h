@@ -9,14 +9,28 @@ namespace writescope {
 
 enum class DType : int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
+// How one (block, kv head) of K and V is laid out in memory.
+//   kTokenMajor  k [block_size, head_dim_qk], v [block_size, head_dim_v]: a token's row contiguous
+//   kPaired      k [head_dim_qk / 2, block_size, 2]: K transposed within the block in pairs of dims,
+//                so one vector load holds a dim pair of consecutive tokens (QK vectorises over
+//                tokens, with no horizontal sum per score, and is the operand layout of a bf16 dot);
+//                v [block_size / 2, head_dim_v, 2]: V in pairs of tokens, so one load holds a dim
+//                range of two tokens (PV vectorises over dims, and is a bf16 dot's layout too).
+//                The block's K and V are each contiguous.
+enum class KvLayout : int32_t { kTokenMajor = 0, kPaired = 1 };
+
 // Decode attention of one query token per sequence over a paged, head-major KV cache.
 // Every stride is in elements; the last dimension of every tensor is contiguous.
 struct PagedAttentionArgs {
+  KvLayout layout;
   // q [num_seqs, num_q_heads, head_dim_qk]
   const void* q;
   DType q_dtype;
   int64_t q_seq_stride, q_head_stride;
-  // k [num_blocks, num_kv_heads, block_size, head_dim_qk], v [..., head_dim_v]
+  // kTokenMajor: k [num_blocks, num_kv_heads, block_size, head_dim_qk], v [..., head_dim_v], strides
+  // of the first three dims below. kPaired: k [num_blocks, num_kv_heads, head_dim_qk / 2, block_size, 2],
+  // v [num_blocks, num_kv_heads, block_size / 2, head_dim_v, 2]; block and head strides below, the
+  // rest contiguous (token strides unused).
   const void* k;
   const void* v;
   DType kv_dtype;
@@ -26,6 +40,7 @@ struct PagedAttentionArgs {
   const int32_t* block_table;
   int64_t block_table_stride;
   const int32_t* seq_lens;
+  bool use_bf16_dot;  // bf16 q.K through the variant's bf16 dot (where it has one and it is the faster here)
   int64_t num_seqs, num_q_heads, num_kv_heads, head_dim_qk, head_dim_v, block_size;
   float scale;
 };
@@ -46,12 +61,21 @@ struct Workspace {
 
 constexpr int64_t kTileTokens = 64;  // tokens per online-softmax step inside a work item
 
-inline int64_t kernel_workspace_bytes(int64_t group, int64_t head_dim_qk) {
+// The paired kernel's tile is whole blocks: as many as make kTileTokens, at least one.
+inline int64_t paired_tile_blocks(int64_t block_size) {
+  return block_size >= kTileTokens ? 1 : kTileTokens / block_size;
+}
+// Scores of one head in a tile, rounded up to the widest vector (16 floats).
+inline int64_t tile_score_stride(int64_t tile_tokens) { return (tile_tokens + 15) / 16 * 16; }
+
+inline int64_t kernel_workspace_bytes(int64_t group, int64_t head_dim_qk, int64_t block_size) {
+  const int64_t tile_tokens = kTileTokens > block_size ? kTileTokens : block_size;
   const int64_t q_bytes = group * head_dim_qk * 4;
-  const int64_t scores_bytes = group * kTileTokens * 4;
+  const int64_t scores_bytes = group * tile_score_stride(tile_tokens) * 4;
   const int64_t softmax_state_bytes = 2 * group * 4;
-  const int64_t row_pointer_bytes = 2 * kTileTokens * 8;
-  return q_bytes + scores_bytes + softmax_state_bytes + 64 + row_pointer_bytes;
+  const int64_t row_pointer_bytes = 2 * tile_tokens * 8;
+  const int64_t token_vector_bytes = (2 * tile_tokens) * 24;  // the paired kernel's, at most a tile's tokens + blocks
+  return q_bytes + scores_bytes + softmax_state_bytes + 64 + row_pointer_bytes + token_vector_bytes;
 }
 
 // What each ISA translation unit exports.
@@ -61,6 +85,8 @@ struct IsaKernels {
   double (*read_sum)(const float* data, int64_t count);  // sum of data, streamed once
   double (*fma_burst)(int64_t iterations);                // returns a value so it is not elided
   int64_t fma_flops_per_iteration;
+  double (*dot_burst)(int64_t iterations);  // the bf16 dot product's peak (vdpbf16ps); nullptr: none
+  int64_t dot_flops_per_iteration;
 };
 
 const IsaKernels& scalar_kernels();

@@ -46,5 +46,26 @@ struct FmaBurst {
   }
 };
 
+// The same with the bf16 dot product: each instruction is 2 multiply-adds per float lane.
+template <class S>
+struct DotBurst {
+  static constexpr int kChains = 16;
+  static constexpr int64_t kFlopsPerIteration = int64_t{4} * kChains * S::kWidth;
+
+  static double run(int64_t iterations) {
+    using V = typename S::V;
+    volatile uint32_t seed = 0x3F803F80u;  // two bf16 1.0078125
+    const typename S::Raw a = S::raw_set1(seed), b = S::raw_set1(seed ^ 0x00010001u);
+    V acc[kChains];
+    for (int c = 0; c < kChains; ++c) acc[c] = S::set1(static_cast<float>(c));
+    for (int64_t it = 0; it < iterations; ++it) {
+      for (int c = 0; c < kChains; ++c) acc[c] = S::dot_bf16(acc[c], a, b);
+    }
+    V total = S::zero();
+    for (int c = 0; c < kChains; ++c) total = S::add(total, acc[c]);
+    return S::reduce_add(total);
+  }
+};
+
 }  // namespace
 }  // namespace writescope

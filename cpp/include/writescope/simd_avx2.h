@@ -24,6 +24,36 @@ struct Avx2Simd {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static __m256i first_lanes(int64_t n) {
+    const int count = n > 8 ? 8 : n < 0 ? 0 : static_cast<int>(n);
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static void store_partial(float* p, V x, int64_t n) { _mm256_maskstore_ps(p, first_lanes(n), x); }
+  // n <= 8 consecutive (even, odd) element pairs -> lane i holds pair i's even and odd element, as
+  // float32; lanes from n on are 0 and nothing past pair n is read.
+  static void load_pairs_bf16(const uint16_t* p, int64_t n, V& even, V& odd) {
+    const __m256i words = _mm256_maskload_epi32(reinterpret_cast<const int*>(p), first_lanes(n));
+    even = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+    odd = _mm256_castsi256_ps(_mm256_and_si256(words, _mm256_set1_epi32(int(0xFFFF0000u))));
+  }
+  static void load_pairs_fp16(const uint16_t* p, int64_t n, V& even, V& odd) {
+    const __m256i words = _mm256_maskload_epi32(reinterpret_cast<const int*>(p), first_lanes(n));
+    const __m256i low = _mm256_and_si256(words, _mm256_set1_epi32(0xFFFF));
+    const __m256i high = _mm256_srli_epi32(words, 16);
+    // packus within 128-bit lanes gives [low 0-3, high 0-3, low 4-7, high 4-7]; permute 64-bit
+    // quarters to [low 0-7 | high 0-7]
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0xD8);
+    even = _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+    odd = _mm256_cvtph_ps(_mm256_extracti128_si256(packed, 1));
+  }
+  static void load_pairs_f32(const float* p, int64_t n, V& even, V& odd) {
+    const __m256 lo = _mm256_maskload_ps(p, first_lanes(2 * n));
+    const __m256 hi = _mm256_maskload_ps(p + 8, first_lanes(2 * n - 8));
+    // shuffle within 128-bit lanes: [lo0 lo2 hi0 hi2 | lo4 lo6 hi4 hi6], then fix the quarters
+    const __m256 e = _mm256_shuffle_ps(lo, hi, 0x88), o = _mm256_shuffle_ps(lo, hi, 0xDD);
+    even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8));
+    odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8));
+  }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }

@@ -29,6 +29,29 @@ struct Avx512Simd {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static __mmask16 first_lanes(int64_t n) {
+    return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+  }
+  static void store_partial(float* p, V x, int64_t n) { _mm512_mask_storeu_ps(p, first_lanes(n), x); }
+  // n <= 16 consecutive (even, odd) element pairs -> lane i holds pair i's even and odd element, as
+  // float32; lanes from n on are 0 and nothing past pair n is read.
+  static void load_pairs_bf16(const uint16_t* p, int64_t n, V& even, V& odd) {
+    const __m512i words = _mm512_maskz_loadu_epi32(first_lanes(n), p);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(words, _mm512_set1_epi32(int(0xFFFF0000u))));
+  }
+  static void load_pairs_fp16(const uint16_t* p, int64_t n, V& even, V& odd) {
+    const __m512i words = _mm512_maskz_loadu_epi32(first_lanes(n), p);
+    even = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words));
+    odd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(words, 16)));
+  }
+  static void load_pairs_f32(const float* p, int64_t n, V& even, V& odd) {
+    const __m512 lo = _mm512_maskz_loadu_ps(first_lanes(2 * n), p);
+    const __m512 hi = _mm512_maskz_loadu_ps(first_lanes(2 * n - 16), p + 16);
+    const __m512i even_index = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    even = _mm512_permutex2var_ps(lo, even_index, hi);
+    odd = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even_index, _mm512_set1_epi32(1)), hi);
+  }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }

@@ -16,6 +16,7 @@ struct Avx512Bf16Simd : Avx512Simd {
   using Raw = __m512i;
   static constexpr int kBf16PerRaw = 32;
   static Raw load_raw(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static Raw raw_set1(uint32_t bits) { return _mm512_set1_epi32(static_cast<int>(bits)); }
   static V dot_bf16(V acc, Raw a, Raw b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 };
 

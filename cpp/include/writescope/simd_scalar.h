@@ -51,6 +51,21 @@ struct ScalarSimd {
   static V load_bf16(const uint16_t* p) { return bf16_bits_to_float(*p); }
   static V load_fp16(const uint16_t* p) { return fp16_bits_to_float(*p); }
   static void store(float* p, V x) { *p = x; }
+  static void store_partial(float* p, V x, int64_t n) {
+    if (n > 0) *p = x;
+  }
+  static void load_pairs_bf16(const uint16_t* p, int64_t n, V& even, V& odd) {
+    even = n > 0 ? bf16_bits_to_float(p[0]) : 0.0f;
+    odd = n > 0 ? bf16_bits_to_float(p[1]) : 0.0f;
+  }
+  static void load_pairs_fp16(const uint16_t* p, int64_t n, V& even, V& odd) {
+    even = n > 0 ? fp16_bits_to_float(p[0]) : 0.0f;
+    odd = n > 0 ? fp16_bits_to_float(p[1]) : 0.0f;
+  }
+  static void load_pairs_f32(const float* p, int64_t n, V& even, V& odd) {
+    even = n > 0 ? p[0] : 0.0f;
+    odd = n > 0 ? p[1] : 0.0f;
+  }
   static V fma(V a, V b, V c) { return a * b + c; }
   static V mul(V a, V b) { return a * b; }
   static V add(V a, V b) { return a + b; }

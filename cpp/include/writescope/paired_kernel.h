@@ -1,0 +1,407 @@
+// The decode attention kernel over the paired layout (KvLayout::kPaired), written once over a SIMD
+// traits type S; included by each ISA translation unit after attention_kernel.h, in the same
+// anonymous namespace.
+//
+// One work item = one kv head of one sequence over a token range that starts on a block boundary.
+// Tokens are visited in tiles of whole blocks (paired_tile_blocks). Per tile:
+//   scores  vectors over W consecutive tokens: each K load is one dim pair of W tokens, widened
+//           to (even dim, odd dim) float32 vectors, times the broadcast q of every head of the
+//           group: no horizontal sum, and each K byte is loaded once per head tile.
+//   softmax once per head and tile: a vector max, exp and sum over the tile's scores; the running
+//           output is rescaled only when the head's max grows.
+//   values  vectors over W dims: each V load is a dim range of a token pair, widened to (token t,
+//           token t + 1) vectors, times the broadcast probabilities of every head in the tile.
+// Everything accumulates in float32, so results match the float32 reference to rounding.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "writescope/attention_kernel.h"
+#include "writescope/kernel_args.h"
+
+namespace writescope {
+namespace {
+
+template <class S, class Kv>
+struct PairedKernel {
+  using V = typename S::V;
+  using T = typename Kv::Elem;
+  static constexpr int W = S::kWidth;
+  // Heads x token vectors of one score step: 2 * GT * TV accumulators (even and odd dims apart, so
+  // no two FMAs in a row wait on each other) within the register file, and per dim pair TV K loads
+  // plus 2 * GT q broadcasts for 2 * GT * TV FMAs, which keeps the load ports below the FMA rate.
+  static constexpr bool kWide = S::kRegisters >= 32;
+  static constexpr int64_t kMaxPrefetchBlocks = 64;
+  static constexpr int kScoreHeads = kWide ? 4 : 2;
+  // Measured on a 2-vCPU Xeon at 32K (Qwen3 and Mixtral shapes): one tile ahead, spread over the
+  // inner iterations, beat bursts per tile (1-4 tiles ahead) by 20-40% and no prefetch by 30%.
+  static constexpr int kPrefetchTiles = 1;
+  // A single head takes more token vectors so there are still eight FMA chains in flight.
+  static constexpr int score_vectors(int heads) { return heads >= 8 ? 1 : heads >= 2 || !kWide ? 2 : 4; }
+
+  // One token vector: up to W consecutive tokens of one block.
+  struct TokenVector {
+    const T* k;       // the block's K at the vector's first token: pair (p, t) at k[(p * block_size + t) * 2]
+    int64_t lanes;    // valid tokens, 1..W
+    int64_t column;   // its first token's position in the tile's scores
+  };
+
+
+  const PagedAttentionArgs& a;
+  const int64_t group, dim_qk, dim_v, block_size, tile_blocks, tile_tokens, stride;
+  float* q32;      // [group, dim_qk], pre-scaled
+  float* scores;   // [group, stride]: scores, then probabilities
+  float* row_max;  // [group]
+  float* row_sum;  // [group]
+  const T** k_blocks;  // [tile_blocks] this tile's blocks, K
+  const T** v_blocks;  // [tile_blocks] and V
+  TokenVector* vectors;  // [tile_tokens + tile_blocks] this tile's token vectors
+  int64_t kv_head = 0;
+
+  // The lines of the tile kPrefetchTiles ahead, asked for a few at a time from inside the compute
+  // loops: spread out, the requests stay in flight while the current tile computes, where a burst
+  // of hundreds at the tile's start would fill the miss buffers and stall the compute behind it.
+  // Compute loops copy it into a local so its fields live in registers (a member is reloaded after
+  // every store the compiler cannot prove does not alias it).
+  struct Prefetcher {
+    const char* const* ranges = nullptr;  // K, V of each block
+    int64_t k_bytes = 0, v_bytes = 0, num_ranges = 0, range = 0, offset = 0;
+    int64_t lines_per_step = 2, steps = 0;  // steps: calls during the tile, to size the next tile's steps
+    // The next tile's ranges are set; its lines are spread over as many steps as this tile took.
+    void reset(int64_t total_lines, int64_t count) {
+      lines_per_step = steps > 0 ? (total_lines + steps - 1) / steps : 2;
+      num_ranges = count;
+      range = offset = steps = 0;
+    }
+    WS_INLINE void step() {
+      ++steps;
+      for (int64_t i = 0; i < lines_per_step && range < num_ranges; ++i) {
+        __builtin_prefetch(ranges[range] + offset, 0, 2);
+        offset += 64;
+        if (offset >= ((range & 1) ? v_bytes : k_bytes)) {
+          offset = 0;
+          ++range;
+        }
+      }
+    }
+    void finish() {
+      const int64_t steps_taken = steps;
+      lines_per_step = int64_t{1} << 40;
+      step();
+      steps = steps_taken;
+    }
+  };
+  const char* prefetch_ranges[2 * kMaxPrefetchBlocks];
+  Prefetcher pf;
+
+  PairedKernel(const PagedAttentionArgs& args, Workspace ws)
+      : a(args),
+        group(args.num_q_heads / args.num_kv_heads),
+        dim_qk(args.head_dim_qk),
+        dim_v(args.head_dim_v),
+        block_size(args.block_size),
+        tile_blocks(paired_tile_blocks(args.block_size)),
+        tile_tokens(paired_tile_blocks(args.block_size) * args.block_size),
+        stride(tile_score_stride(tile_tokens)) {
+    char* p = static_cast<char*>(ws.data);
+    q32 = reinterpret_cast<float*>(p);
+    p += group * dim_qk * 4;
+    scores = reinterpret_cast<float*>(p);
+    p += group * stride * 4;
+    row_max = reinterpret_cast<float*>(p);
+    p += group * 4;
+    row_sum = reinterpret_cast<float*>(p);
+    p += group * 4;
+    p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+    k_blocks = reinterpret_cast<const T**>(p);
+    v_blocks = k_blocks + tile_blocks;
+    vectors = reinterpret_cast<TokenVector*>(v_blocks + tile_blocks);
+  }
+
+  void run(const WorkItem& item) {
+    kv_head = item.kv_head;
+    load_queries(item);
+    for (int64_t i = 0; i < group * dim_v; ++i) item.out[i] = 0.0f;
+    for (int64_t g = 0; g < group; ++g) {
+      row_max[g] = kNegInf;
+      row_sum[g] = 0.0f;
+    }
+    const int32_t* table = a.block_table + item.seq * a.block_table_stride;
+    const int64_t first_block = item.token_begin / block_size;
+    const int64_t end_block = (item.token_end + block_size - 1) / block_size;
+    prefetch_blocks(table, first_block, first_block + kPrefetchTiles * tile_blocks, end_block);
+    for (int64_t block = first_block; block < end_block; block += tile_blocks) {
+      const int64_t begin = block * block_size;
+      const int64_t count = item.token_end - begin < tile_tokens ? item.token_end - begin : tile_tokens;
+      const int64_t blocks = (count + block_size - 1) / block_size;
+      for (int64_t j = 0; j < blocks; ++j) {
+        const int64_t physical = table[block + j];
+        k_blocks[j] = static_cast<const T*>(a.k) + item.kv_head * a.k_head_stride + physical * a.k_block_stride;
+        v_blocks[j] = static_cast<const T*>(a.v) + item.kv_head * a.v_head_stride + physical * a.v_block_stride;
+      }
+      const int64_t ahead = block + (kPrefetchTiles + 1) * tile_blocks;
+      queue_prefetch(table, ahead - tile_blocks, ahead, end_block);
+      compute_scores(blocks, count);
+      update_softmax(count, item.out);
+      accumulate_values(blocks, count, item.out);
+      pf.finish();
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = 1.0f / row_sum[g];
+      for (int64_t d = 0; d < dim_v; ++d) item.out[g * dim_v + d] *= inv;
+      item.lse[g] = row_max[g] + std::log(row_sum[g]);
+    }
+  }
+
+  void load_queries(const WorkItem& item) {
+    switch (a.q_dtype) {
+      case DType::kFloat32: return load_queries_as(item, F32Kv{});
+      case DType::kBFloat16: return load_queries_as(item, Bf16Kv{});
+      case DType::kFloat16: return load_queries_as(item, Fp16Kv{});
+    }
+  }
+
+  template <class Q>
+  void load_queries_as(const WorkItem& item, Q) {
+    const auto* q = static_cast<const typename Q::Elem*>(a.q) + item.seq * a.q_seq_stride;
+    for (int64_t g = 0; g < group; ++g) {
+      const auto* row = q + (item.kv_head * group + g) * a.q_head_stride;
+      for (int64_t d = 0; d < dim_qk; ++d) q32[g * dim_qk + d] = Q::one(row + d) * a.scale;
+    }
+  }
+
+  // Blocks [from, to) of the item (clipped to end_block), K and V whole, into L1: the item's first
+  // tiles, before there is compute to hide them behind.
+  void prefetch_blocks(const int32_t* table, int64_t from, int64_t to, int64_t end_block) const {
+    const int64_t k_bytes = dim_qk * block_size * static_cast<int64_t>(sizeof(T));
+    const int64_t v_bytes = dim_v * block_size * static_cast<int64_t>(sizeof(T));
+    for (int64_t b = from < 0 ? 0 : from; b < to && b < end_block; ++b) {
+      const int64_t physical = table[b];
+      prefetch_range(block_bytes_at(a.k, physical, a.k_block_stride, a.k_head_stride), k_bytes);
+      prefetch_range(block_bytes_at(a.v, physical, a.v_block_stride, a.v_head_stride), v_bytes);
+    }
+  }
+
+  void queue_prefetch(const int32_t* table, int64_t from, int64_t to, int64_t end_block) {
+    pf.k_bytes = dim_qk * block_size * static_cast<int64_t>(sizeof(T));
+    pf.v_bytes = dim_v * block_size * static_cast<int64_t>(sizeof(T));
+    int64_t count = 0;
+    for (int64_t b = from; b < to && b < end_block && count < 2 * kMaxPrefetchBlocks; ++b) {
+      const int64_t physical = table[b];
+      prefetch_ranges[count++] = block_bytes_at(a.k, physical, a.k_block_stride, a.k_head_stride);
+      prefetch_ranges[count++] = block_bytes_at(a.v, physical, a.v_block_stride, a.v_head_stride);
+    }
+    pf.ranges = prefetch_ranges;
+    pf.reset(count / 2 * (pf.k_bytes + pf.v_bytes) / 64, count);
+  }
+
+  const char* block_bytes_at(const void* base, int64_t physical, int64_t block_stride, int64_t head_stride) const {
+    return reinterpret_cast<const char*>(static_cast<const T*>(base) + kv_head * head_stride + physical * block_stride);
+  }
+
+  static void prefetch_range(const char* bytes, int64_t size) {
+    for (int64_t offset = 0; offset < size; offset += 64) __builtin_prefetch(bytes + offset, 0, 3);
+  }
+
+  // ------------------------------------------------------------------ scores
+  template <int GT, int TV, bool kFull>
+  WS_INLINE void score_step(int64_t g0, const TokenVector* tv) {
+    V even_acc[GT * TV], odd_acc[GT * TV];
+    for (int i = 0; i < GT * TV; ++i) even_acc[i] = odd_acc[i] = S::zero();
+    const int64_t pairs = dim_qk / 2;
+    const int64_t pair_stride = block_size * 2;
+    Prefetcher prefetch = pf;
+    for (int64_t p = 0; p < pairs; ++p) {
+      prefetch.step();
+      V even[TV], odd[TV];
+      for (int ti = 0; ti < TV; ++ti)
+        Kv::template pairs<S>(tv[ti].k + p * pair_stride, kFull ? W : tv[ti].lanes, even[ti], odd[ti]);
+      for (int gi = 0; gi < GT; ++gi) {
+        const V qe = S::set1(q32[(g0 + gi) * dim_qk + 2 * p]);
+        const V qo = S::set1(q32[(g0 + gi) * dim_qk + 2 * p + 1]);
+        for (int ti = 0; ti < TV; ++ti) {
+          even_acc[gi * TV + ti] = S::fma(qe, even[ti], even_acc[gi * TV + ti]);
+          odd_acc[gi * TV + ti] = S::fma(qo, odd[ti], odd_acc[gi * TV + ti]);
+        }
+      }
+    }
+    pf = prefetch;
+    for (int gi = 0; gi < GT; ++gi)
+      for (int ti = 0; ti < TV; ++ti)
+        S::store_partial(scores + (g0 + gi) * stride + tv[ti].column,
+                         S::add(even_acc[gi * TV + ti], odd_acc[gi * TV + ti]), tv[ti].lanes);
+  }
+
+  template <int GT>
+  void score_heads(int64_t g0, const TokenVector* tv, int64_t num_vectors) {
+    constexpr int TV = score_vectors(GT);
+    int64_t i = 0;
+    for (; i + TV <= num_vectors; i += TV) {
+      bool full = true;
+      for (int ti = 0; ti < TV; ++ti) full = full && tv[i + ti].lanes == W;
+      if (full) score_step<GT, TV, true>(g0, tv + i);
+      else score_step<GT, TV, false>(g0, tv + i);
+    }
+    for (; i < num_vectors; ++i) score_step<GT, 1, false>(g0, tv + i);
+  }
+
+  void compute_scores(int64_t blocks, int64_t count) {
+    // At most tile_tokens / W + tile_blocks vectors: a block whose size is not a multiple of W ends
+    // in a partial one.
+    TokenVector* tv = vectors;
+    int64_t num_vectors = 0;
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t valid = count - j * block_size < block_size ? count - j * block_size : block_size;
+      for (int64_t t = 0; t < valid; t += W)
+        tv[num_vectors++] = TokenVector{k_blocks[j] + t * 2, valid - t < W ? valid - t : W, j * block_size + t};
+    }
+    int64_t g = 0;
+    if constexpr (kWide) {
+      for (; g + 8 <= group; g += 8) score_heads<8>(g, tv, num_vectors);
+    }
+    for (; g + kScoreHeads <= group; g += kScoreHeads) score_heads<kScoreHeads>(g, tv, num_vectors);
+    for (; g + 2 <= group; g += 2) score_heads<2>(g, tv, num_vectors);
+    for (; g < group; ++g) score_heads<1>(g, tv, num_vectors);
+  }
+
+  // ------------------------------------------------------------------ softmax
+  void update_softmax(int64_t count, float* acc) {
+    const int64_t padded = (count + W - 1) / W * W;
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = scores + g * stride;
+      for (int64_t t = count; t < padded; ++t) row[t] = kNegInf;  // exp -> 0 in the padding
+      V vmax = S::set1(kNegInf);
+      for (int64_t t = 0; t < padded; t += W) vmax = S::max(vmax, S::load(row + t));
+      const float tile_max = S::reduce_max(vmax);
+      const float new_max = tile_max > row_max[g] ? tile_max : row_max[g];
+      const V shift = S::set1(new_max);
+      V vsum = S::zero();
+      for (int64_t t = 0; t < padded; t += W) {
+        const V p = S::exp(S::sub(S::load(row + t), shift));
+        S::store(row + t, p);
+        vsum = S::add(vsum, p);
+      }
+      if (new_max != row_max[g]) {
+        const float alpha = row_max[g] == kNegInf ? 0.0f : std::exp(row_max[g] - new_max);
+        row_sum[g] *= alpha;
+        float* out = acc + g * dim_v;
+        for (int64_t d = 0; d < dim_v; ++d) out[d] *= alpha;
+        row_max[g] = new_max;
+      }
+      row_sum[g] += S::reduce_add(vsum);
+    }
+  }
+
+  // ------------------------------------------------------------------ values
+  // GT heads x NV vectors of W dims, over the tile's tokens.
+  template <int GT, int NV>
+  WS_INLINE void value_step(int64_t g0, int64_t d0, int64_t blocks, int64_t count, float* acc) {
+    V sum[GT][NV];
+    for (int gi = 0; gi < GT; ++gi)
+      for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::load(acc + (g0 + gi) * dim_v + d0 + vi * W);
+    const int64_t pair_stride = dim_v * 2;
+    Prefetcher prefetch = pf;
+    for (int64_t j = 0; j < blocks; ++j) {
+      const int64_t valid = count - j * block_size < block_size ? count - j * block_size : block_size;
+      const T* v_block = v_blocks[j] + d0 * 2;
+      const float* p_block = scores + j * block_size;
+      // A lone last token (odd count) pairs with a token past the end: only its even half is used,
+      // so garbage (even NaN) in the unused half never reaches the sum.
+      const int64_t full_pairs = valid / 2;
+      for (int64_t tp = 0; tp < full_pairs; ++tp) {
+        prefetch.step();
+        V first[NV], second[NV];
+        for (int vi = 0; vi < NV; ++vi)
+          Kv::template pairs<S>(v_block + tp * pair_stride + vi * W * 2, W, first[vi], second[vi]);
+        for (int gi = 0; gi < GT; ++gi) {
+          const V pf = S::set1(p_block[(g0 + gi) * stride + 2 * tp]);
+          const V ps = S::set1(p_block[(g0 + gi) * stride + 2 * tp + 1]);
+          for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::fma(ps, second[vi], S::fma(pf, first[vi], sum[gi][vi]));
+        }
+      }
+      if (valid % 2) {
+        V first[NV], unused[NV];
+        for (int vi = 0; vi < NV; ++vi)
+          Kv::template pairs<S>(v_block + full_pairs * pair_stride + vi * W * 2, W, first[vi], unused[vi]);
+        for (int gi = 0; gi < GT; ++gi) {
+          const V pf = S::set1(p_block[(g0 + gi) * stride + 2 * full_pairs]);
+          for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::fma(pf, first[vi], sum[gi][vi]);
+        }
+      }
+    }
+    pf = prefetch;
+    for (int gi = 0; gi < GT; ++gi)
+      for (int vi = 0; vi < NV; ++vi) S::store(acc + (g0 + gi) * dim_v + d0 + vi * W, sum[gi][vi]);
+  }
+
+  template <int GT, int NV>
+  void value_heads(int64_t g0, int64_t blocks, int64_t count, float* acc) {
+    int64_t d = 0;
+    for (; d + NV * W <= dim_v; d += NV * W) value_step<GT, NV>(g0, d, blocks, count, acc);
+    for (; d + W <= dim_v; d += W) value_step<GT, 1>(g0, d, blocks, count, acc);
+    if (d < dim_v) value_tail<GT>(g0, d, blocks, count, acc);
+  }
+
+  // The last dim_v % W dims: a partial vector, loaded and stored with a lane mask (the
+  // accumulator row is read through a copy so nothing past the row is touched).
+  template <int GT>
+  void value_tail(int64_t g0, int64_t d0, int64_t blocks, int64_t count, float* acc) {
+    const int64_t lanes = dim_v - d0;
+    if constexpr (W > 1) {
+      alignas(64) float padded[GT * W];
+      for (int gi = 0; gi < GT; ++gi)
+        for (int64_t l = 0; l < W; ++l) padded[gi * W + l] = l < lanes ? acc[(g0 + gi) * dim_v + d0 + l] : 0.0f;
+      V sum[GT];
+      for (int gi = 0; gi < GT; ++gi) sum[gi] = S::load(padded + gi * W);
+      const int64_t pair_stride = dim_v * 2;
+      for (int64_t j = 0; j < blocks; ++j) {
+        const int64_t valid = count - j * block_size < block_size ? count - j * block_size : block_size;
+        const T* v_block = v_blocks[j] + d0 * 2;
+        const float* p_block = scores + j * block_size;
+        for (int64_t t = 0; t < valid; t += 2) {
+          V first, second;
+          Kv::template pairs<S>(v_block + (t / 2) * pair_stride, lanes, first, second);
+          for (int gi = 0; gi < GT; ++gi) {
+            sum[gi] = S::fma(S::set1(p_block[(g0 + gi) * stride + t]), first, sum[gi]);
+            if (t + 1 < valid) sum[gi] = S::fma(S::set1(p_block[(g0 + gi) * stride + t + 1]), second, sum[gi]);
+          }
+        }
+      }
+      for (int gi = 0; gi < GT; ++gi) S::store_partial(acc + (g0 + gi) * dim_v + d0, sum[gi], lanes);
+    }
+  }
+
+  void accumulate_values(int64_t blocks, int64_t count, float* acc) {
+    // Accumulators GT x NV, the V vectors 2 x NV and two broadcasts within the register file; more
+    // heads per step widen each V vector once for more FMAs.
+    constexpr bool wide = S::kRegisters >= 32;
+    int64_t g = 0;
+    if constexpr (wide) {
+      for (; g + 8 <= group; g += 8) value_heads<8, 2>(g, blocks, count, acc);
+    }
+    for (; g + 4 <= group; g += 4) value_heads<4, wide ? 4 : 1>(g, blocks, count, acc);
+    for (; g + 2 <= group; g += 2) value_heads<2, wide ? 4 : 2>(g, blocks, count, acc);
+    for (; g < group; ++g) value_heads<1, wide ? 8 : 2>(g, blocks, count, acc);
+  }
+};
+
+template <class S, class Kv>
+void attend_item_as(const PagedAttentionArgs& args, const WorkItem& item, Workspace ws) {
+  if (args.layout == KvLayout::kPaired) PairedKernel<S, Kv>(args, ws).run(item);
+  else ItemKernel<S, Kv>(args, ws).run(item);
+}
+
+template <class S>
+void attend_item(const PagedAttentionArgs& args, const WorkItem& item, Workspace ws) {
+  switch (args.kv_dtype) {
+    case DType::kFloat32: attend_item_as<S, F32Kv>(args, item, ws); break;
+    case DType::kBFloat16: attend_item_as<S, Bf16Kv>(args, item, ws); break;
+    case DType::kFloat16: attend_item_as<S, Fp16Kv>(args, item, ws); break;
+  }
+}
+
+#undef WS_INLINE
+
+}  // namespace
+}  // namespace writescope
