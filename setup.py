@@ -15,7 +15,8 @@ CPP_SOURCES = [
 if platform.machine().lower() in ("x86_64", "amd64"):
     # Compiled at the baseline target: their SIMD code carries its own target pragma and is
     # only called after runtime CPU detection.
-    CPP_SOURCES += ["cpp/src/kernels_avx2.cpp", "cpp/src/kernels_avx512.cpp", "cpp/src/kernels_avx512bf16.cpp"]
+    CPP_SOURCES += ["cpp/src/kernels_avx2.cpp", "cpp/src/kernels_avx512.cpp", "cpp/src/kernels_avx512bf16.cpp",
+                    "cpp/src/kernels_amx.cpp"]
 
 # Compiles the sources in parallel (one job per core, or WRITESCOPE_BUILD_JOBS).
 ParallelCompile("WRITESCOPE_BUILD_JOBS").install()

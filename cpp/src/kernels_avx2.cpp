@@ -30,7 +30,7 @@ double fma_burst_avx2(int64_t iterations) { return FmaBurst<Avx2Simd>::run(itera
 namespace writescope {
 const IsaKernels& avx2_kernels() {
   static const IsaKernels kernels{"avx2", &attend_item_avx2, &read_sum_avx2, &fma_burst_avx2,
-                                  FmaBurst<Avx2Simd>::kFlopsPerIteration, nullptr, 0};
+                                  FmaBurst<Avx2Simd>::kFlopsPerIteration, nullptr, 0, nullptr, 0};
   return kernels;
 }
 }  // namespace writescope

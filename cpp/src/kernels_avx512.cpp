@@ -30,7 +30,7 @@ double fma_burst_avx512(int64_t iterations) { return FmaBurst<Avx512Simd>::run(i
 namespace writescope {
 const IsaKernels& avx512_kernels() {
   static const IsaKernels kernels{"avx512", &attend_item_avx512, &read_sum_avx512, &fma_burst_avx512,
-                                  FmaBurst<Avx512Simd>::kFlopsPerIteration, nullptr, 0};
+                                  FmaBurst<Avx512Simd>::kFlopsPerIteration, nullptr, 0, nullptr, 0};
   return kernels;
 }
 }  // namespace writescope

@@ -32,7 +32,7 @@ namespace writescope {
 const IsaKernels& avx512bf16_kernels() {
   static const IsaKernels kernels{"avx512bf16", &attend_item_avx512bf16, &read_sum_avx512bf16, &fma_burst_avx512bf16,
                                   FmaBurst<Avx512Bf16Simd>::kFlopsPerIteration, &dot_burst_avx512bf16,
-                                  DotBurst<Avx512Bf16Simd>::kFlopsPerIteration};
+                                  DotBurst<Avx512Bf16Simd>::kFlopsPerIteration, nullptr, 0};
   return kernels;
 }
 }  // namespace writescope

@@ -9,7 +9,7 @@ namespace writescope {
 const IsaKernels& scalar_kernels() {
   static const IsaKernels kernels{
       "scalar", &attend_item<ScalarSimd>, &read_sum<ScalarSimd>, &FmaBurst<ScalarSimd>::run,
-      FmaBurst<ScalarSimd>::kFlopsPerIteration, nullptr, 0};
+      FmaBurst<ScalarSimd>::kFlopsPerIteration, nullptr, 0, nullptr, 0};
   return kernels;
 }
 

@@ -1,6 +1,11 @@
 #include "runtime.h"
 
 #include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 #include <chrono>
 #include <cstdlib>
@@ -23,6 +28,23 @@ bool has_avx512() {
          __builtin_cpu_supports("fma");
 }
 bool has_avx512bf16() { return has_avx512() && __builtin_cpu_supports("avx512bf16"); }
+
+// AMX needs the CPU's amx-tile and amx-bf16 (CPUID 7.0 EDX bits 24 and 22), the OS saving tile
+// state (XCR0 bits 17-18) and this process's permission to use it (Linux ARCH_REQ_XCOMP_PERM).
+bool has_amx() {
+  static const bool available = [] {
+    if (!has_avx512bf16()) return false;
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    if (!((edx >> 24) & 1u) || !((edx >> 22) & 1u)) return false;
+    uint32_t xcr0_low, xcr0_high;
+    __asm__ volatile("xgetbv" : "=a"(xcr0_low), "=d"(xcr0_high) : "c"(0));
+    if ((xcr0_low & (3u << 17)) != (3u << 17)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return available;
+}
 bool has_avx2() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
@@ -34,6 +56,7 @@ bool always() { return true; }
 const std::vector<Variant>& all_variants() {
   static const std::vector<Variant> variants{
 #if defined(__x86_64__)
+      {"amx", &has_amx, &amx_kernels},
       {"avx512bf16", &has_avx512bf16, &avx512bf16_kernels},
       {"avx512", &has_avx512, &avx512_kernels},
       {"avx2", &has_avx2, &avx2_kernels},

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 
@@ -48,6 +49,120 @@ struct Fp16Kv {
 };
 
 #define WS_INLINE inline __attribute__((always_inline))
+
+inline uint16_t bf16_round(float x) {  // to nearest even (finite inputs)
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// An AMX tile configuration (palette 1): rows and bytes per row of each of the 8 tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// 64 dims of V for one 16-token group as AMX B operands: [8 token pairs, 16 dims x 2] each, the
+// next one `next` elements on; rows `stride_bytes` apart.
+struct VSlice {
+  const void* v;
+  int64_t stride_bytes;
+  int64_t next;
+};
+
+// The tile products both kernels share (S::kAmx only; empty otherwise).
+template <class S>
+struct AmxTiles {
+  int64_t configured = -1;
+
+  void load(const TileConfig& config, int64_t key) {
+    if (configured == key) return;
+    if constexpr (S::kAmx) S::tile_config(&config);
+    configured = key;
+  }
+
+  // The paired kernel's scores: 0: scores [rows heads, 16 tokens] f32; 1, 2: q hi, lo [rows, 32
+  // dims] bf16; 3: K [16 dim pairs, 16 tokens x 2] bf16.
+  void configure_paired_scores(int64_t rows) {
+    TileConfig cfg;
+    for (int t = 0; t < 3; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+    cfg.rows[3] = 16, cfg.colsb[3] = 64;
+    load(cfg, 1000 + rows);
+  }
+
+  // The token-major kernel's scores, transposed: 0: scores [16 tokens, heads] f32; 1: K [16 tokens,
+  // 32 dims] bf16; 2, 3: q lo, hi [16 dim pairs, heads x 2] bf16.
+  void configure_latent_scores(int64_t heads) {
+    TileConfig cfg;
+    const auto colsb = static_cast<uint16_t>(4 * heads);
+    cfg.rows[0] = 16, cfg.colsb[0] = colsb;
+    cfg.rows[1] = 16, cfg.colsb[1] = 64;
+    cfg.rows[2] = cfg.rows[3] = 16, cfg.colsb[2] = cfg.colsb[3] = colsb;
+    load(cfg, 3000 + heads);
+  }
+
+  // 0-3: out [rows, 16] f32; 4, 5: P hi, lo [rows, 16 tokens] bf16; 6: V [8 pairs, 16 dims x 2] bf16.
+  void configure_values(int64_t rows) {
+    TileConfig cfg;
+    for (int t = 0; t < 4; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
+    cfg.rows[4] = cfg.rows[5] = static_cast<uint8_t>(rows), cfg.colsb[4] = cfg.colsb[5] = 32;
+    cfg.rows[6] = 8, cfg.colsb[6] = 64;
+    load(cfg, 2000000 + rows);
+  }
+
+  // out [rows, dim_v] f32 (rows dim_v apart) += sum over 16-token groups k of P[:, 16 k : 16 k + 16]
+  // x V_k, with P = p_hi + p_lo (bf16, rows p_stride apart) and slice(k, d0) giving V_k's 64 dims
+  // from d0. dim_v % 16 == 0.
+  template <class Slice>
+  void values(float* out, int64_t dim_v, int64_t rows, const uint16_t* p_hi, const uint16_t* p_lo, int64_t p_stride,
+              int64_t groups, Slice slice) {
+    if constexpr (S::kAmx) {
+      configure_values(rows);
+      const int64_t out_stride = dim_v * 4;
+      for (int64_t d0 = 0; d0 < dim_v; d0 += 64) {
+        const int64_t n = (dim_v - d0) / 16 < 4 ? (dim_v - d0) / 16 : 4;
+        S::template tile_load<0>(out + d0, out_stride);
+        if (n > 1) S::template tile_load<1>(out + d0 + 16, out_stride);
+        if (n > 2) S::template tile_load<2>(out + d0 + 32, out_stride);
+        if (n > 3) S::template tile_load<3>(out + d0 + 48, out_stride);
+        for (int64_t k = 0; k < groups; ++k) {
+          const VSlice v = slice(k, d0);
+          const uint16_t* vv = static_cast<const uint16_t*>(v.v);
+          S::template tile_load<4>(p_hi + k * 16, p_stride * 2);
+          S::template tile_load<5>(p_lo + k * 16, p_stride * 2);
+          S::template tile_load<6>(vv, v.stride_bytes);
+          S::template tile_dot<0, 4, 6>();
+          S::template tile_dot<0, 5, 6>();
+          if (n > 1) {
+            S::template tile_load<6>(vv + v.next, v.stride_bytes);
+            S::template tile_dot<1, 4, 6>();
+            S::template tile_dot<1, 5, 6>();
+          }
+          if (n > 2) {
+            S::template tile_load<6>(vv + 2 * v.next, v.stride_bytes);
+            S::template tile_dot<2, 4, 6>();
+            S::template tile_dot<2, 5, 6>();
+          }
+          if (n > 3) {
+            S::template tile_load<6>(vv + 3 * v.next, v.stride_bytes);
+            S::template tile_dot<3, 4, 6>();
+            S::template tile_dot<3, 5, 6>();
+          }
+        }
+        S::template tile_store<0>(out + d0, out_stride);
+        if (n > 1) S::template tile_store<1>(out + d0 + 16, out_stride);
+        if (n > 2) S::template tile_store<2>(out + d0 + 32, out_stride);
+        if (n > 3) S::template tile_store<3>(out + d0 + 48, out_stride);
+      }
+    } else {
+      (void)out, (void)dim_v, (void)rows, (void)p_hi, (void)p_lo, (void)p_stride, (void)groups, (void)slice;
+    }
+  }
+};
 
 template <class S, class Kv>
 struct ItemKernel {

@@ -68,14 +68,18 @@ inline int64_t paired_tile_blocks(int64_t block_size) {
 // Scores of one head in a tile, rounded up to the widest vector (16 floats).
 inline int64_t tile_score_stride(int64_t tile_tokens) { return (tile_tokens + 15) / 16 * 16; }
 
-inline int64_t kernel_workspace_bytes(int64_t group, int64_t head_dim_qk, int64_t block_size) {
+inline int64_t kernel_workspace_bytes(int64_t group, int64_t head_dim_qk, int64_t head_dim_v, int64_t block_size) {
   const int64_t tile_tokens = kTileTokens > block_size ? kTileTokens : block_size;
   const int64_t q_bytes = group * head_dim_qk * 4;
   const int64_t scores_bytes = group * tile_score_stride(tile_tokens) * 4;
   const int64_t softmax_state_bytes = 2 * group * 4;
   const int64_t row_pointer_bytes = 2 * tile_tokens * 8;
   const int64_t token_vector_bytes = (2 * tile_tokens) * 24;  // the paired kernel's, at most a tile's tokens + blocks
-  return q_bytes + scores_bytes + softmax_state_bytes + 64 + row_pointer_bytes + token_vector_bytes;
+  // The AMX path's bf16 operands: q and probabilities split in high and low halves, and one block of V
+  // with the slots past a sequence's end zeroed.
+  const int64_t amx_bytes = 2 * group * head_dim_qk * 2 + 2 * group * tile_score_stride(tile_tokens) * 2 +
+                            block_size * head_dim_v * 2 + 3 * 64;
+  return q_bytes + scores_bytes + softmax_state_bytes + 64 + row_pointer_bytes + token_vector_bytes + amx_bytes;
 }
 
 // What each ISA translation unit exports.
@@ -87,11 +91,14 @@ struct IsaKernels {
   int64_t fma_flops_per_iteration;
   double (*dot_burst)(int64_t iterations);  // the bf16 dot product's peak (vdpbf16ps); nullptr: none
   int64_t dot_flops_per_iteration;
+  double (*tile_burst)(int64_t iterations);  // AMX bf16 tile products' peak; nullptr: none
+  int64_t tile_flops_per_iteration;
 };
 
 const IsaKernels& scalar_kernels();
 const IsaKernels& avx2_kernels();
 const IsaKernels& avx512_kernels();
 const IsaKernels& avx512bf16_kernels();
+const IsaKernels& amx_kernels();
 
 }  // namespace writescope

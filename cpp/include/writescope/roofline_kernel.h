@@ -67,5 +67,6 @@ struct DotBurst {
   }
 };
 
+
 }  // namespace
 }  // namespace writescope

@@ -13,6 +13,7 @@ struct Avx2Simd {
   static constexpr int kWidth = 8;
   static constexpr bool kBf16Dot = false;
   static constexpr int kRegisters = 16;
+  static constexpr bool kAmx = false;
   static V zero() { return _mm256_setzero_ps(); }
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }

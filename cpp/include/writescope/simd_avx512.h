@@ -18,6 +18,7 @@ struct Avx512Simd {
   static constexpr int kWidth = 16;
   static constexpr bool kBf16Dot = false;
   static constexpr int kRegisters = 32;
+  static constexpr bool kAmx = false;
   static V zero() { return _mm512_setzero_ps(); }
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }

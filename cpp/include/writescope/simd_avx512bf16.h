@@ -13,11 +13,56 @@ namespace {
 // AVX-512 plus the bf16 dot product (vdpbf16ps): 32 bf16 products per instruction, no widening.
 struct Avx512Bf16Simd : Avx512Simd {
   static constexpr bool kBf16Dot = true;
+  static constexpr bool kAmx = false;
   using Raw = __m512i;
   static constexpr int kBf16PerRaw = 32;
   static Raw load_raw(const uint16_t* p) { return _mm512_loadu_si512(p); }
   static Raw raw_set1(uint32_t bits) { return _mm512_set1_epi32(static_cast<int>(bits)); }
   static V dot_bf16(V acc, Raw a, Raw b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+};
+
+#define WS_EACH_TILE(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
+
+// The same plus AMX (amx-tile, amx-bf16): the paired kernel's QK and PV run as tile dot products.
+struct Avx512AmxSimd : Avx512Bf16Simd {
+  static constexpr bool kAmx = true;
+  static void tile_config(const void* config) { _tile_loadconfig(config); }
+  static void tile_release() { _tile_release(); }
+  // GCC's tile intrinsics paste the tile number into their assembly, so it must be a literal: each
+  // template maps its constant to one.
+  template <int T> static void tile_zero() {
+#define WS_TILE(N) if constexpr (T == N) _tile_zero(N);
+    WS_EACH_TILE(WS_TILE)
+#undef WS_TILE
+  }
+  template <int T> static void tile_load(const void* p, int64_t stride_bytes) {
+#define WS_TILE(N) if constexpr (T == N) _tile_loadd(N, p, stride_bytes);
+    WS_EACH_TILE(WS_TILE)
+#undef WS_TILE
+  }
+  template <int T> static void tile_store(void* p, int64_t stride_bytes) {
+#define WS_TILE(N) if constexpr (T == N) _tile_stored(N, p, stride_bytes);
+    WS_EACH_TILE(WS_TILE)
+#undef WS_TILE
+  }
+  template <int C, int A, int B> static void tile_dot() {
+#define WS_DOT(C_, A_, B_) if constexpr (C == C_ && A == A_ && B == B_) _tile_dpbf16ps(C_, A_, B_);
+    WS_DOT(0, 1, 3) WS_DOT(0, 2, 3) WS_DOT(0, 1, 2)
+    WS_DOT(0, 4, 6) WS_DOT(0, 5, 6) WS_DOT(1, 4, 6) WS_DOT(1, 5, 6)
+    WS_DOT(2, 4, 6) WS_DOT(2, 5, 6) WS_DOT(3, 4, 6) WS_DOT(3, 5, 6)
+#undef WS_DOT
+    static_assert((C == 0 && ((B == 3 && (A == 1 || A == 2)) || (A == 1 && B == 2))) || (B == 6 && C < 4 && (A == 4 || A == 5)),
+                  "add the tile combination to tile_dot");
+  }
+  // 16 floats -> bf16 high parts (nearest even) and bf16 low parts of what the high parts leave.
+  static void split_bf16(const float* x, uint16_t* hi, uint16_t* lo) {
+    const __m512 value = _mm512_loadu_ps(x);
+    const __m256bh high = _mm512_cvtneps_pbh(value);
+    const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)high), 16));
+    const __m256bh low = _mm512_cvtneps_pbh(_mm512_sub_ps(value, back));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), (__m256i)high);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), (__m256i)low);
+  }
 };
 
 }  // namespace

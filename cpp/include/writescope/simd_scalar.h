@@ -45,6 +45,7 @@ struct ScalarSimd {
   static constexpr int kWidth = 1;
   static constexpr bool kBf16Dot = false;
   static constexpr int kRegisters = 16;
+  static constexpr bool kAmx = false;
   static V zero() { return 0.0f; }
   static V set1(float x) { return x; }
   static V load(const float* p) { return *p; }
