@@ -89,7 +89,8 @@ class KVFormat:
         """One block of every layer: what a region gives per allocated block id."""
         return self.token_bytes_per_layer * self.block_size * self.num_layers
 
-    def shape(self, kind: str, count: int, head_dim: int, *, window_tokens: int = 0, array: str = "k") -> tuple[int, ...]:
+    def shape(self, kind: str, count: int, head_dim: int, *, window_tokens: int = 0,
+              array: str = "k") -> tuple[int, ...]:
         """Shape of one stored array (array "k" or "v") of a region; count is blocks, or seqs for the window."""
         if kind == "cpu_compute":
             outer = (self.num_layers, self.num_kv_heads, count)

@@ -227,8 +227,8 @@ def _check_paged_structure(q, source: KVSource):
         num_blocks, num_kv_heads, block_size, k_dim = k_cache.shape
         if tuple(v_cache.shape[:3]) != (num_blocks, num_kv_heads, block_size):
             raise ValueError(
-                f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)} in blocks, heads and block size"
-            )
+                f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)} in blocks, heads and "
+                "block size")
     _check_tensor(block_table, "block_table", 2, "[num_seqs, max_blocks_per_seq]", (torch.int32,))
     _check_tensor(seq_lens, "seq_lens", 1, "[num_seqs]", (torch.int32,))
     if k_cache.dtype != v_cache.dtype:

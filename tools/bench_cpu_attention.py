@@ -4,12 +4,14 @@ For each context length and model shape (bf16 KV, one decode query): the median 
 kernel over KV stored as cpu_compute stores it (16-token blocks, head-major, the paired block
 layout for GQA/MHA and token-major latents for MLA; the sequence's blocks in runs of 16 consecutive
 physical ids, the runs in shuffled order: what the lowest-first allocator gives when sequences
-interleave their 256-token window flushes; --run-blocks 1 shuffles every block), its achieved KV GB/s and GFLOP/s, the roofline time max(KV bytes / read bandwidth, FLOPs /
-multiply-add peak) with both figures measured in the same run by the extension's own probes (the
-streaming read with all kernel threads; the peak of the multiply-add instruction the kernel uses
-here: float32 FMA, or the bf16 dot where it measured faster), the fraction of roofline reached,
-and the speed ratio against torch SDPA (bf16 and float32 inputs) and torch bmm + softmax on the
-same shapes (contiguous tensors, their best case).
+interleave their 256-token window flushes; --run-blocks 1 shuffles every block), its achieved KV
+GB/s and GFLOP/s, the roofline time max(KV bytes / read bandwidth, QK FLOPs / peak + PV FLOPs /
+peak) with every figure measured in the same run by the extension's own probes (the streaming read
+with all kernel threads; the peaks of the multiply-add instructions the kernel uses for the shape
+here: float32 FMA, the bf16 dot where it measured faster, AMX tiles where the variant has them and
+the shape pays for them; the QK/PV column names them), the fraction of roofline reached, and the
+speed ratio against torch SDPA (bf16 and float32 inputs) and torch bmm + softmax on the same shapes
+(contiguous tensors, their best case).
 
 FLOPs = 2 * num_q_heads * seq_len * (head_dim_qk + head_dim_v)  (QK^T and PV multiply-adds)
 KV bytes = num_kv_heads * seq_len * (head_dim_qk + head_dim_v) * 2, but MLA reads its latent once:
@@ -149,42 +151,61 @@ def check_against_reference(q, source, k, v, scale):
     torch.testing.assert_close(lse[0], ref_lse, atol=2e-5, rtol=1e-5)
 
 
+def instructions(shape: Shape) -> tuple[str, str]:
+    """The multiply-add instructions of QK and PV the kernel uses for this shape here (tile, dot, fma)."""
+    layout = "token_major" if shape.v_is_latent else "paired"
+    group = shape.num_q_heads // shape.num_kv_heads
+    return tuple(_cpu.multiply_add_instructions(layout, group, shape.head_dim_qk, shape.head_dim_v, BLOCK_SIZE))
+
+
 def rescale_to_roofline(row: dict, shape: Shape, roofline: dict) -> None:
-    nbytes, nflops = kv_bytes(shape, row["seq_len"]), flops(shape, row["seq_len"])
+    """Roofline time = max(KV bytes / read bandwidth, QK FLOPs / its instruction's peak + PV FLOPs / its
+    instruction's peak): the compute bound of the instructions the kernel uses for this shape."""
+    nbytes, seq_len = kv_bytes(shape, row["seq_len"]), row["seq_len"]
     memory_s = nbytes / (roofline["read_gbps"] * 1e9)
-    compute_s = nflops / (roofline["mac_gflops"] * 1e9)
+    qk, pv = instructions(shape)
+    qk_flops = 2 * shape.num_q_heads * seq_len * shape.head_dim_qk
+    pv_flops = 2 * shape.num_q_heads * seq_len * shape.head_dim_v
+    compute_s = (qk_flops / roofline[f"{qk}_gflops"] + pv_flops / roofline[f"{pv}_gflops"]) / 1e9
+    row["instructions"] = f"{qk}/{pv}"
     row["roofline_ms"] = max(memory_s, compute_s) * 1e3
     row["bound"] = "memory" if memory_s >= compute_s else "compute"
     row["fraction_of_roofline"] = row["roofline_ms"] / row["kernel_ms"]
 
 
 def measure_roofline(read_bytes: int) -> dict:
-    """The streaming read and the multiply-add peaks with the kernel's variant and threads; mac_gflops is
-    the peak of the instruction the kernel uses for its multiply-adds on this CPU."""
+    """The streaming read and the multiply-add peaks (FMA; bf16 dot and AMX tiles where the variant
+    has them) with the kernel's variant and threads."""
     read = statistics.median(_cpu.read_bandwidth(read_bytes, 7))
     fma = statistics.median(_cpu.fma_peak(20_000_000, 5))
-    dot = statistics.median(_cpu.dot_peak(10_000_000, 5)) if "bf16" in _cpu.__cpu_variant__ else None
-    return {"read_gbps": read, "fma_gflops": fma, "dot_gflops": dot,
-            "mac_gflops": dot if _cpu.uses_bf16_dot() else fma}
+    has_dot = _cpu.__cpu_variant__ in ("amx", "avx512bf16")
+    dot = statistics.median(_cpu.dot_peak(10_000_000, 5)) if has_dot else None
+    tile = statistics.median(_cpu.tile_peak(2_000_000, 5)) if _cpu.__cpu_variant__ == "amx" else None
+    return {"read_gbps": read, "fma_gflops": fma, "dot_gflops": dot, "tile_gflops": tile}
+
+
+def _gflops(value) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 def markdown_table(result: dict) -> str:
     m = result["machine"]
-    dot = "-" if m["dot_gflops"] is None else f"{m['dot_gflops']:.0f}"
     lines = [
         f"{m['cpu_model']}, variant `{m['cpu_variant']}` (bf16 dot used: {'yes' if m['uses_bf16_dot'] else 'no'}), "
-        f"{m['threads']} threads; read {m['read_gbps']:.1f} GB/s, FMA {m['fma_gflops']:.0f} GFLOP/s, "
-        f"bf16 dot {dot} GFLOP/s; blocks in runs of {m['run_blocks']}",
+        f"{m['threads']} threads; read {m['read_gbps']:.1f} GB/s; GFLOP/s: FMA {m['fma_gflops']:.0f}, "
+        f"bf16 dot {_gflops(m['dot_gflops'])}, AMX tiles {_gflops(m['tile_gflops'])}; "
+        f"blocks in runs of {m['run_blocks']}",
         "",
-        "| shape | L | kernel ms | KV GB/s | GFLOP/s | bound | roofline ms | of roofline | vs SDPA bf16 | vs SDPA fp32 "
-        "| vs bmm+softmax |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | L | QK/PV | kernel ms | KV GB/s | GFLOP/s | bound | roofline ms | of roofline "
+        "| vs SDPA bf16 | vs SDPA fp32 | vs bmm+softmax |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         ratios = [f"{r[k]:.1f}x" if k in r else "-" for k in
                   ("speedup_vs_sdpa_bf16", "speedup_vs_sdpa_fp32", "speedup_vs_bmm_softmax_bf16")]
         lines.append(
-            f"| {r['shape']} | {r['seq_len'] // 1024}K | {r['kernel_ms']:.2f} | {r['kv_gbps']:.1f} | {r['gflops']:.0f} "
+            f"| {r['shape']} | {r['seq_len'] // 1024}K | {r['instructions']} | {r['kernel_ms']:.2f} "
+            f"| {r['kv_gbps']:.1f} | {r['gflops']:.0f} "
             f"| {r['bound']} | {r['roofline_ms']:.2f} | {r['fraction_of_roofline']:.2f} | " + " | ".join(ratios) + " |"
         )
     return "\n".join(lines)
@@ -216,9 +237,9 @@ def main(argv: list[str] | None = None):
     # This host's bandwidth drifts between runs (shared machine): the roofline is the best of a
     # probe before and a probe after the rows, so the fractions are conservative.
     roofline = measure_roofline(args.read_bytes)
-    log.info("%s, variant %s (bf16 dot used: %s), %d threads, read %.1f GB/s, FMA %.0f GFLOP/s, bf16 dot %s GFLOP/s",
+    log.info("%s, variant %s (bf16 dot used: %s), %d threads, read %.1f GB/s, FMA %.0f, bf16 dot %s, tiles %s GFLOP/s",
              cpu_model(), _cpu.__cpu_variant__, _cpu.uses_bf16_dot(), _cpu.num_threads(), roofline["read_gbps"],
-             roofline["fma_gflops"], "-" if roofline["dot_gflops"] is None else f"{roofline['dot_gflops']:.0f}")
+             roofline["fma_gflops"], _gflops(roofline["dot_gflops"]), _gflops(roofline["tile_gflops"]))
     rows = []
     shapes_by_name = {s.name: s for s in SHAPES}
     for shape in (s for s in SHAPES if s.name in args.shapes):

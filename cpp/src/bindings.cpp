@@ -44,6 +44,25 @@ PYBIND11_MODULE(_cpu, m) {
         "Float32 FMA throughput in GFLOP/s per repeat, with the current variant and pool.");
   m.def("dot_peak", &dot_peak, py::arg("iterations"), py::arg("repeats"),
         "BF16 dot-product (vdpbf16ps) throughput in GFLOP/s per repeat, with the current variant and pool.");
+  m.def("tile_peak", &tile_peak, py::arg("iterations"), py::arg("repeats"),
+        "AMX bf16 tile-product throughput in GFLOP/s per repeat, with the current variant and pool.");
+  m.def(
+      "multiply_add_instructions",
+      [](const std::string& layout, int64_t group, int64_t head_dim_qk, int64_t head_dim_v, int64_t block_size) {
+        if (layout != "paired" && layout != "token_major")
+          throw py::value_error("layout: '" + layout + "' is not supported; allowed: token_major, paired");
+        if (group < 1 || head_dim_qk < 1 || head_dim_v < 1 || block_size < 1)
+          throw py::value_error("group, head_dim_qk, head_dim_v and block_size must be >= 1");
+        const bool tiles = runtime().kernels->tile_burst != nullptr &&
+                           (layout == "paired" ? paired_tiles_fit(group, head_dim_qk, head_dim_v, block_size)
+                                               : token_major_tiles_fit(group, head_dim_qk, head_dim_v, block_size));
+        if (tiles) return std::make_pair(std::string("tile"), std::string("tile"));
+        const bool dot = layout == "token_major" && runtime().bf16_dot_faster;
+        return std::make_pair(std::string(dot ? "dot" : "fma"), std::string("fma"));
+      },
+      py::arg("layout"), py::arg("group"), py::arg("head_dim_qk"), py::arg("head_dim_v"), py::arg("block_size"),
+      "The instructions (tile, dot or fma) of QK and of PV for bf16 q and KV of this shape, with the current "
+      "variant on this CPU.");
   m.def("uses_bf16_dot", [] { return runtime().bf16_dot_faster; },
         "Whether the kernels take bf16 q.K through the bf16 dot product: only where the variant has one and "
         "it measured faster than float32 FMAs on this CPU.");

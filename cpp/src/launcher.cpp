@@ -388,11 +388,13 @@ struct FmaJob {
   const IsaKernels* kernels;
   int64_t iterations;
   std::atomic<double>* sink;
-  bool dot;  // the bf16 dot product's burst instead of the FMA's
+  MacKind kind;  // which instruction's burst
 };
 void fma_item(void* context, int64_t, int) {
   auto& job = *static_cast<FmaJob*>(context);
-  const double value = job.dot ? job.kernels->dot_burst(job.iterations) : job.kernels->fma_burst(job.iterations);
+  const double value = job.kind == MacKind::kDot    ? job.kernels->dot_burst(job.iterations)
+                       : job.kind == MacKind::kTile ? job.kernels->tile_burst(job.iterations)
+                                                    : job.kernels->fma_burst(job.iterations);
   double current = job.sink->load();
   while (!job.sink->compare_exchange_weak(current, current + value)) {
   }
@@ -421,28 +423,36 @@ std::vector<double> read_bandwidth(int64_t num_bytes, int repeats) {
   return gbps;
 }
 
-std::vector<double> fma_peak(int64_t iterations, int repeats) { return mac_peak(iterations, repeats, false); }
+std::vector<double> fma_peak(int64_t iterations, int repeats) { return mac_peak(iterations, repeats, MacKind::kFma); }
+
+std::vector<double> tile_peak(int64_t iterations, int repeats) {
+  if (runtime().kernels->tile_burst == nullptr)
+    fail(std::string("variant ") + runtime().kernels->name + " has no AMX tiles; amx has");
+  return mac_peak(iterations, repeats, MacKind::kTile);
+}
 
 std::vector<double> dot_peak(int64_t iterations, int repeats) {
   if (runtime().kernels->dot_burst == nullptr)
     fail(std::string("variant ") + runtime().kernels->name + " has no bf16 dot product; avx512bf16 has");
-  return mac_peak(iterations, repeats, true);
+  return mac_peak(iterations, repeats, MacKind::kDot);
 }
 
-std::vector<double> mac_peak(int64_t iterations, int repeats, bool dot) {
+std::vector<double> mac_peak(int64_t iterations, int repeats, MacKind kind) {
   if (iterations < 1) fail("iterations must be >= 1, got " + std::to_string(iterations));
   if (repeats < 1) fail("repeats must be >= 1, got " + std::to_string(repeats));
   py::gil_scoped_release release;
   Runtime& rt = runtime();
   std::lock_guard<std::mutex> lock(rt.mutex);
   std::atomic<double> sink{0.0};
-  FmaJob job{rt.kernels, iterations, &sink, dot};
+  FmaJob job{rt.kernels, iterations, &sink, kind};
   const int threads = rt.pool->num_threads();
   std::vector<double> gflops;
   for (int r = 0; r < repeats; ++r) {
     const auto start = std::chrono::steady_clock::now();
     rt.pool->run(threads, &fma_item, &job);
-    const int64_t per_iteration = dot ? rt.kernels->dot_flops_per_iteration : rt.kernels->fma_flops_per_iteration;
+    const int64_t per_iteration = kind == MacKind::kDot    ? rt.kernels->dot_flops_per_iteration
+                                  : kind == MacKind::kTile ? rt.kernels->tile_flops_per_iteration
+                                                           : rt.kernels->fma_flops_per_iteration;
     const double flops = static_cast<double>(threads) * iterations * per_iteration;
     gflops.push_back(flops / seconds_since(start) / 1e9);
   }

@@ -31,6 +31,9 @@ std::vector<double> read_bandwidth(int64_t num_bytes, int repeats);
 std::vector<double> fma_peak(int64_t iterations, int repeats);
 // The same for the bf16 dot product (2 multiply-adds per lane per instruction), where the variant has one.
 std::vector<double> dot_peak(int64_t iterations, int repeats);
-std::vector<double> mac_peak(int64_t iterations, int repeats, bool dot);
+// The same for AMX bf16 tile products, where the variant has them.
+std::vector<double> tile_peak(int64_t iterations, int repeats);
+enum class MacKind { kFma, kDot, kTile };
+std::vector<double> mac_peak(int64_t iterations, int repeats, MacKind kind);
 
 }  // namespace writescope

@@ -185,11 +185,22 @@ def test_paired_kernel_rejects(change, message):
         call_kernel({**paired_kernel_args(), **change})
 
 
-def test_the_multiply_add_probes_and_the_dot_choice():
-    assert isinstance(_cpu.uses_bf16_dot(), bool)
-    if _cpu.__cpu_variant__ == "avx512bf16":
-        assert min(_cpu.dot_peak(100_000, 2)) > 0
-    else:
-        assert not _cpu.uses_bf16_dot()
-        with pytest.raises(ValueError, match="has no bf16 dot product"):
-            _cpu.dot_peak(100_000, 2)
+@pytest.mark.parametrize("variant", _cpu.available_variants())
+def test_the_multiply_add_probes_and_the_dot_choice(variant):
+    default = _cpu.__cpu_variant__
+    try:
+        _cpu.set_variant(variant)
+        assert isinstance(_cpu.uses_bf16_dot(), bool)
+        if variant in ("amx", "avx512bf16"):
+            assert min(_cpu.dot_peak(100_000, 2)) > 0
+        else:
+            assert not _cpu.uses_bf16_dot()
+            with pytest.raises(ValueError, match="has no bf16 dot product"):
+                _cpu.dot_peak(100_000, 2)
+        if variant == "amx":  # the tiles' peak: well above the FMA peak wherever AMX exists
+            assert min(_cpu.tile_peak(100_000, 2)) > max(_cpu.fma_peak(1_000_000, 2))
+        else:
+            with pytest.raises(ValueError, match="has no AMX tiles"):
+                _cpu.tile_peak(100_000, 2)
+    finally:
+        _cpu.set_variant(default)

@@ -105,23 +105,25 @@ struct AmxTiles {
     load(cfg, 3000 + heads);
   }
 
-  // 0-3: out [rows, 16] f32; 4, 5: P hi, lo [rows, 16 tokens] bf16; 6: V [8 pairs, 16 dims x 2] bf16.
-  void configure_values(int64_t rows) {
+  // 0-3: out [rows, 16] f32; 4, 5: P hi, lo [rows, G tokens] bf16; 6: V [G / 2 pairs, 16 dims x 2]
+  // bf16, for token groups of G = 16 or 32.
+  void configure_values(int64_t rows, int64_t group_tokens) {
     TileConfig cfg;
     for (int t = 0; t < 4; ++t) cfg.rows[t] = static_cast<uint8_t>(rows), cfg.colsb[t] = 64;
-    cfg.rows[4] = cfg.rows[5] = static_cast<uint8_t>(rows), cfg.colsb[4] = cfg.colsb[5] = 32;
-    cfg.rows[6] = 8, cfg.colsb[6] = 64;
-    load(cfg, 2000000 + rows);
+    cfg.rows[4] = cfg.rows[5] = static_cast<uint8_t>(rows);
+    cfg.colsb[4] = cfg.colsb[5] = static_cast<uint16_t>(group_tokens * 2);
+    cfg.rows[6] = static_cast<uint8_t>(group_tokens / 2), cfg.colsb[6] = 64;
+    load(cfg, 2000000 + rows * 100 + group_tokens);
   }
 
-  // out [rows, dim_v] f32 (rows dim_v apart) += sum over 16-token groups k of P[:, 16 k : 16 k + 16]
-  // x V_k, with P = p_hi + p_lo (bf16, rows p_stride apart) and slice(k, d0) giving V_k's 64 dims
-  // from d0. dim_v % 16 == 0.
+  // out [rows, dim_v] f32 (rows dim_v apart) += sum over groups k of group_tokens (16 or 32) tokens
+  // of P[:, k G : k G + G] x V_k, with P = p_hi + p_lo (bf16, rows p_stride apart) and slice(k, d0)
+  // giving V_k's 64 dims from d0. dim_v % 16 == 0.
   template <class Slice>
   void values(float* out, int64_t dim_v, int64_t rows, const uint16_t* p_hi, const uint16_t* p_lo, int64_t p_stride,
-              int64_t groups, Slice slice) {
+              int64_t groups, int64_t group_tokens, Slice slice) {
     if constexpr (S::kAmx) {
-      configure_values(rows);
+      configure_values(rows, group_tokens);
       const int64_t out_stride = dim_v * 4;
       for (int64_t d0 = 0; d0 < dim_v; d0 += 64) {
         const int64_t n = (dim_v - d0) / 16 < 4 ? (dim_v - d0) / 16 : 4;
@@ -132,8 +134,8 @@ struct AmxTiles {
         for (int64_t k = 0; k < groups; ++k) {
           const VSlice v = slice(k, d0);
           const uint16_t* vv = static_cast<const uint16_t*>(v.v);
-          S::template tile_load<4>(p_hi + k * 16, p_stride * 2);
-          S::template tile_load<5>(p_lo + k * 16, p_stride * 2);
+          S::template tile_load<4>(p_hi + k * group_tokens, p_stride * 2);
+          S::template tile_load<5>(p_lo + k * group_tokens, p_stride * 2);
           S::template tile_load<6>(vv, v.stride_bytes);
           S::template tile_dot<0, 4, 6>();
           S::template tile_dot<0, 5, 6>();
@@ -159,7 +161,8 @@ struct AmxTiles {
         if (n > 3) S::template tile_store<3>(out + d0 + 48, out_stride);
       }
     } else {
-      (void)out, (void)dim_v, (void)rows, (void)p_hi, (void)p_lo, (void)p_stride, (void)groups, (void)slice;
+      (void)out, (void)dim_v, (void)rows, (void)p_hi, (void)p_lo, (void)p_stride, (void)groups, (void)group_tokens;
+      (void)slice;
     }
   }
 };
@@ -193,6 +196,23 @@ struct ItemKernel {
   float* row_sum;  // [group]
   const T** k_rows;  // [kTileTokens]
   const T** v_rows;  // [kTileTokens]
+
+  // AMX (S::kAmx, bf16 KV, head dims of whole 32s, 16-token runs inside blocks): scores come
+  // transposed, S^T [16 tokens, heads] += K [16 tokens, 32 dims] x q^T [16 dim pairs, heads x 2],
+  // K rows read as stored; PV is out [heads, 16 dims] += P [heads, 16 tokens] x V [8 token pairs,
+  // 16 dims x 2], with V rows put in token pairs per 16-token group and 64 dims. q (when not bf16)
+  // and P are split into bf16 high and low halves, so the result keeps float32 accuracy.
+  bool amx = false;
+  bool q_has_low = false;
+  uint16_t* qt_hi = nullptr;  // [dim_qk / 2, group, 2]
+  uint16_t* qt_lo = nullptr;
+  uint16_t* p_hi = nullptr;   // [group, kTileTokens]
+  uint16_t* p_lo = nullptr;
+  uint16_t* v_pairs = nullptr;  // [16, 64, 2]: 32 tokens' 64 dims in token pairs
+  float* transposed = nullptr;  // [16, group]
+  uint16_t* q_rows_hi = nullptr;  // [group, dim_qk]: q's halves before the transpose
+  uint16_t* q_rows_lo = nullptr;
+  AmxTiles<S> tiles;
   // bf16 q against bf16 K with the CPU's bf16 dot product: products of bf16 values are exact in
   // float32, so this is as accurate as widening first (the scale is applied after the dot).
   bool bf16_dot = false;
@@ -215,10 +235,110 @@ struct ItemKernel {
     p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
     k_rows = reinterpret_cast<const T**>(p);
     v_rows = k_rows + kTileTokens;
+    if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {
+      char* z = static_cast<char*>(ws.data) + amx_workspace_offset(group, dim_qk, args.block_size);
+      z = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(z) + 63) & ~uintptr_t(63));
+      qt_hi = reinterpret_cast<uint16_t*>(z);
+      qt_lo = qt_hi + group * dim_qk;
+      p_hi = qt_lo + group * dim_qk;
+      p_lo = p_hi + group * kTileTokens;
+      v_pairs = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(p_lo + group * kTileTokens) + 63) & ~uintptr_t(63));
+      transposed = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(v_pairs + 16 * 64 * 2) + 63) & ~uintptr_t(63));
+      q_rows_hi = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(transposed + 16 * group) + 63) & ~uintptr_t(63));
+      q_rows_lo = q_rows_hi + group * dim_qk;
+    }
+  }
+
+  // 16-token runs of K rows must lie inside one block: the item starts on a multiple of 16.
+  bool amx_fits(const WorkItem& item) const {
+    if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {
+      return token_major_tiles_fit(group, dim_qk, dim_v, a.block_size) && item.token_begin % 16 == 0;
+    }
+    (void)item;
+    return false;
+  }
+
+  // q32 (unscaled) -> q^T [dim_qk / 2, group, 2] as bf16 high and low halves: split 16 floats at a
+  // time, then a transpose of 32-bit dim pairs.
+  void transpose_queries() {
+    if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) transpose_queries_amx();
+  }
+
+  void transpose_queries_amx() {
+    uint16_t* rows_hi = q_rows_hi;
+    uint16_t* rows_lo = q_rows_lo;
+    uint32_t any_low = 0;
+    for (int64_t i = 0; i < group * dim_qk; i += 16) {
+      S::split_bf16(q32 + i, rows_hi + i, rows_lo + i);
+      for (int64_t j = 0; j < 16; ++j) any_low |= rows_lo[i + j] & 0x7FFFu;
+    }
+    q_has_low = any_low != 0;
+    const int64_t pairs = dim_qk / 2;
+    for (int half = 0; half < (q_has_low ? 2 : 1); ++half) {
+      const uint32_t* from = reinterpret_cast<const uint32_t*>(half ? rows_lo : rows_hi);
+      uint32_t* to = reinterpret_cast<uint32_t*>(half ? qt_lo : qt_hi);
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t p = 0; p < pairs; ++p) to[p * group + g] = from[g * pairs + p];
+    }
+  }
+
+  void amx_scores(int64_t count) {
+    if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {
+      tiles.configure_latent_scores(group);
+      const int64_t k_stride_bytes = a.k_token_stride * 2;
+      const int64_t qt_stride_bytes = group * 4;
+      for (int64_t t0 = 0; t0 < count; t0 += 16) {
+        const T* k0 = k_rows[t0];  // 16 consecutive rows of one block
+        S::template tile_zero<0>();
+        for (int64_t c = 0; c < dim_qk; c += 32) {
+          S::template tile_load<1>(k0 + c, k_stride_bytes);
+          S::template tile_load<3>(qt_hi + c * group, qt_stride_bytes);
+          S::template tile_dot<0, 1, 3>();
+          if (q_has_low) {
+            S::template tile_load<2>(qt_lo + c * group, qt_stride_bytes);
+            S::template tile_dot<0, 1, 2>();
+          }
+        }
+        S::template tile_store<0>(transposed, group * 4);
+        for (int64_t i = 0; i < 16 && t0 + i < kTileTokens; ++i)
+          for (int64_t g = 0; g < group; ++g) scores[g * kTileTokens + t0 + i] = transposed[i * group + g] * a.scale;
+      }
+    }
+  }
+
+  void amx_values(int64_t count, float* acc) {
+    if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {
+      const int64_t padded = (count + 31) / 32 * 32;  // 32-token groups: twice the depth per tile product
+      for (int64_t g = 0; g < group; ++g) {
+        const float* row = scores + g * kTileTokens;
+        uint16_t* hi = p_hi + g * kTileTokens;
+        uint16_t* lo = p_lo + g * kTileTokens;
+        int64_t t = 0;
+        for (; t + 16 <= count; t += 16) S::split_bf16(row + t, hi + t, lo + t);
+        for (; t < count; ++t) {
+          hi[t] = bf16_round(row[t]);
+          lo[t] = bf16_round(row[t] - bf16_bits_to_float(hi[t]));
+        }
+        for (; t < padded; ++t) hi[t] = lo[t] = 0;
+      }
+      tiles.values(acc, dim_v, group, p_hi, p_lo, kTileTokens, padded / 32, 32, [&](int64_t k, int64_t d0) {
+        const int64_t dims = dim_v - d0 < 64 ? dim_v - d0 : 64;
+        for (int64_t pair = 0; pair < 16; ++pair) {
+          const int64_t t = 32 * k + 2 * pair;  // rows past count are zeros, not whatever the block holds
+          const uint16_t* first = t < count ? v_rows[t] + d0 : nullptr;
+          const uint16_t* second = t + 1 < count ? v_rows[t + 1] + d0 : nullptr;
+          if (first) S::interleave_rows(first, second, v_pairs + pair * 128, dims);
+          else std::memset(v_pairs + pair * 128, 0, dims * 4);
+        }
+        return VSlice{v_pairs, 64 * 2 * 2, 32};
+      });
+    }
   }
 
   void run(const WorkItem& item) {
+    amx = amx_fits(item);
     load_queries(item);
+    if (amx) transpose_queries();
     for (int64_t i = 0; i < group * dim_v; ++i) item.out[i] = 0.0f;
     for (int64_t g = 0; g < group; ++g) {
       row_max[g] = kNegInf;
@@ -227,9 +347,14 @@ struct ItemKernel {
     for (int64_t begin = item.token_begin; begin < item.token_end; begin += kTileTokens) {
       const int64_t count = item.token_end - begin < kTileTokens ? item.token_end - begin : kTileTokens;
       gather_rows(item, begin, count);
-      compute_scores(count);
+      if (amx) amx_scores(count);
+      else compute_scores(count);
       update_softmax(count, item.out);
-      accumulate_values(count, item.out);
+      if (amx) amx_values(count, item.out);
+      else accumulate_values(count, item.out);
+    }
+    if constexpr (S::kAmx) {
+      if (amx) S::tile_release();
     }
     for (int64_t g = 0; g < group; ++g) {
       const float inv = 1.0f / row_sum[g];
@@ -259,7 +384,7 @@ struct ItemKernel {
 
   void load_queries(const WorkItem& item) {
     if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
-      bf16_dot = a.q_dtype == DType::kBFloat16 && a.use_bf16_dot;
+      bf16_dot = a.q_dtype == DType::kBFloat16 && a.use_bf16_dot && !amx;
       if (bf16_dot) {
         q_bf16 = static_cast<const uint16_t*>(a.q) + item.seq * a.q_seq_stride + item.kv_head * group * a.q_head_stride;
         return;
@@ -275,14 +400,15 @@ struct ItemKernel {
   template <class Q>
   void load_queries_as(const WorkItem& item, Q) {
     if constexpr (kSplitPairs) {
-      split_qk = dim_qk - dim_qk % (2 * W);
-      split_v = dim_v - dim_v % (2 * W);
+      split_qk = amx ? 0 : dim_qk - dim_qk % (2 * W);
+      split_v = amx ? 0 : dim_v - dim_v % (2 * W);
     }
+    const float scale = amx ? 1.0f : a.scale;  // the AMX path scales the scores instead
     const auto* q = static_cast<const typename Q::Elem*>(a.q) + item.seq * a.q_seq_stride;
     for (int64_t g = 0; g < group; ++g) {
       const auto* row = q + (item.kv_head * group + g) * a.q_head_stride;
       for (int64_t d = 0; d < dim_qk; ++d)
-        q32[g * dim_qk + (d < split_qk ? split_position(d) : d)] = Q::one(row + d) * a.scale;
+        q32[g * dim_qk + (d < split_qk ? split_position(d) : d)] = Q::one(row + d) * scale;
     }
   }
 

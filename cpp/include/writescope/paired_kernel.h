@@ -119,9 +119,7 @@ struct PairedKernel {
     k_blocks = reinterpret_cast<const T**>(p);
     v_blocks = k_blocks + tile_blocks;
     vectors = reinterpret_cast<TokenVector*>(v_blocks + tile_blocks);
-    // past the row pointers and token vectors kernel_workspace_bytes counts
-    const int64_t ws_tile_tokens = kTileTokens > block_size ? kTileTokens : block_size;
-    p += 2 * ws_tile_tokens * 8 + 2 * ws_tile_tokens * 24;
+    p = static_cast<char*>(ws.data) + amx_workspace_offset(group, dim_qk, block_size);
     p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
     q_hi = reinterpret_cast<uint16_t*>(p);
     q_lo = q_hi + group * dim_qk;
@@ -129,10 +127,7 @@ struct PairedKernel {
     p_lo = p_hi + group * stride;
     v_clean = reinterpret_cast<T*>(
         (reinterpret_cast<uintptr_t>(p_lo + group * stride) + 63) & ~uintptr_t(63));
-    // Measured on a 2-vCPU Xeon (Sapphire Rapids class) from DRAM: tiles win from 8 heads per kv head
-    // (Qwen3 +10% at 128K); at 4 (Mixtral) and 1 (MHA) the FMA loops overlap memory better (-13%, -19%).
-    if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>)
-      amx = group >= 8 && block_size % 16 == 0 && dim_qk % 32 == 0 && dim_v % 16 == 0;
+    if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) amx = paired_tiles_fit(group, dim_qk, dim_v, block_size);
   }
 
   // ------------------------------------------------------------------ AMX (S::kAmx, bf16 KV)
@@ -235,7 +230,7 @@ struct PairedKernel {
         // 16-token group k is tokens [16 k, 16 k + 16) of the tile: block k / per_block, its token
         // pairs from 8 (k % per_block); 64 dims from d0 are 4 B operands 32 elements apart
         tiles.values(acc + g0 * dim_v, dim_v, rows, p_hi + g0 * stride, p_lo + g0 * stride, stride,
-                     blocks * per_block, [&](int64_t k, int64_t d0) {
+                     blocks * per_block, 16, [&](int64_t k, int64_t d0) {
                        prefetch.step();
                        const T* v = v_blocks[k / per_block] + ((k % per_block) * 8 * dim_v + d0) * 2;
                        return VSlice{v, dim_v * 4, 32};

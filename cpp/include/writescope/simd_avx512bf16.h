@@ -54,6 +54,18 @@ struct Avx512AmxSimd : Avx512Bf16Simd {
     static_assert((C == 0 && ((B == 3 && (A == 1 || A == 2)) || (A == 1 && B == 2))) || (B == 6 && C < 4 && (A == 4 || A == 5)),
                   "add the tile combination to tile_dot");
   }
+  // Two token rows of `dims` (a multiple of 32) bf16 -> [dims][2] pairs (a's element first); b null: zeros.
+  static void interleave_rows(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t dims) {
+    const __m512i low_index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high_index = _mm512_add_epi16(low_index, _mm512_set1_epi16(16));
+    for (int64_t d = 0; d < dims; d += 32) {
+      const __m512i x = _mm512_loadu_si512(a + d);
+      const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
+      _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(x, low_index, y));
+      _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(x, high_index, y));
+    }
+  }
   // 16 floats -> bf16 high parts (nearest even) and bf16 low parts of what the high parts leave.
   static void split_bf16(const float* x, uint16_t* hi, uint16_t* lo) {
     const __m512 value = _mm512_loadu_ps(x);

@@ -1,0 +1,70 @@
+"""The shapes the amx variant runs as tile products (groups of 8 to 16 heads, 16-token blocks), in both
+layouts, against the float32 torch reference; on every other variant the same calls take the vector
+paths, so the tests hold everywhere. Unused block slots hold NaN: nothing there may reach a result."""
+
+import pytest
+import torch
+
+from tests.cpp.test_paired_layout import as_paired, paged
+from tests.tolerances import assert_partials_close
+from writescope import _cpu, ops
+
+
+def reference(q, source):
+    return ops.paged_partial_attention(q, *source, backend="torch")
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float16])
+@pytest.mark.parametrize("group", [8, 16, 24])
+def test_paired_tiles(cpu_variant, q_dtype, group):
+    q, source = paged([613, 77, 16, 1], 16, group=group, q_dtype=q_dtype)
+    out, lse, _ = ops.cpu_paged_attention_timed(q, as_paired(source), 128**-0.5)
+    assert_partials_close(out, lse, *reference(q, source))
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("group, head_dims", [(16, (576, 512)), (8, (128, 128)), (16, (64, 32))])
+def test_token_major_tiles(cpu_variant, q_dtype, group, head_dims):
+    q, source = paged([613, 77, 32, 3], 16, num_kv_heads=1, group=group, head_dim_k=head_dims[0],
+                      head_dim_v=head_dims[1], q_dtype=q_dtype)
+    out, lse, _ = ops.cpu_paged_attention_timed(q, source, 0.07)
+    assert_partials_close(out, lse, *ops.paged_partial_attention(q, *source, scale=0.07, backend="torch"))
+
+
+def test_mla_latent_as_value_prefix(cpu_variant):
+    q, source = paged([1000, 45], 16, num_kv_heads=1, group=16, head_dim_k=576, head_dim_v=576)
+    latent = ops.KVSource(source.k_cache, source.k_cache[..., :512], *source[2:])
+    out, lse, _ = ops.cpu_paged_attention_timed(q, latent, 192**-0.5)
+    assert_partials_close(out, lse, *ops.paged_partial_attention(q, *latent, scale=192**-0.5, backend="torch"))
+
+
+@pytest.mark.parametrize("layout", ["paired", "token_major"])
+def test_tile_results_are_identical_for_any_thread_count(layout):
+    q, source = paged([4099, 1500], 16, num_kv_heads=2, group=16, head_dim_k=128, head_dim_v=128)
+    source = as_paired(source) if layout == "paired" else source
+    default_threads = _cpu.num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            _cpu.set_num_threads(threads)
+            results.append(ops.cpu_paged_attention_timed(q, source, 0.1)[:2])
+    finally:
+        _cpu.set_num_threads(default_threads)
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+def test_the_instructions_reported_follow_the_variant_and_shape():
+    default = _cpu.__cpu_variant__
+    try:
+        for variant in _cpu.available_variants():
+            _cpu.set_variant(variant)
+            tiles = ("tile", "tile")
+            assert (_cpu.multiply_add_instructions("paired", 8, 128, 128, 16) == tiles) == (variant == "amx")
+            assert (_cpu.multiply_add_instructions("token_major", 16, 576, 512, 16) == tiles) == (variant == "amx")
+            assert _cpu.multiply_add_instructions("paired", 4, 128, 128, 16) == ("fma", "fma")
+            assert _cpu.multiply_add_instructions("paired", 8, 128, 128, 8)[1] == "fma"  # half-tile blocks
+    finally:
+        _cpu.set_variant(default)
+    with pytest.raises(ValueError, match="allowed: token_major, paired"):
+        _cpu.multiply_add_instructions("vnni", 8, 128, 128, 16)
