@@ -379,18 +379,16 @@ class InplaceKVCache:
 
     def shipped_compute_sources(self, layer: int, view: StepView) -> list[KVSource]:
         """The monolithic baseline: the view's cpu_compute blocks of every shard copied whole to the
-        device from unpinned memory (one gather and one pageable copy per shard, array and step),
-        put in token-major order there."""
+        device from unpinned memory (one gather and one pageable copy per shard, array and step)."""
         sources = []
         for source in self.compute_sources(layer, view):
             used = torch.arange(source.block_table.shape[1])[None, :] < (source.seq_lens // self.block_size)[:, None]
             index = source.block_table[used].long()  # row-major: each sequence's blocks consecutive
             k = source.k_cache.index_select(0, index).to(self.device)
-            if self.config.format.v_in_k:
-                v = k[..., : self.config.format.head_dim_v]
-            else:  # the shipped bytes are the paired blocks; the device attends a token-major copy of them
-                v = from_paired("v", source.v_cache.index_select(0, index).to(self.device))
-                k = from_paired("k", k)
+            # paired blocks ship as they are: the C++ kernel reads them, and ops.attend gives the torch and
+            # Triton backends a token-major copy made on the device
+            v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else \
+                source.v_cache.index_select(0, index).to(self.device)
             counts = source.seq_lens // self.block_size
             starts = torch.cumsum(counts, 0) - counts
             table = (starts[:, None] + torch.arange(source.block_table.shape[1])[None, :]).to(torch.int32)
