@@ -57,6 +57,39 @@ inline uint16_t bf16_round(float x) {  // to nearest even (finite inputs)
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// The next tile's rows, asked for a few lines at a time from inside the tile products (see the
+// paired kernel's Prefetcher: spread out, the requests stay in flight while the tile computes).
+// Loops copy it into a local so its fields live in registers.
+struct RowPrefetcher {
+  const char* const* rows = nullptr;  // K row, V row of each token (V null when it is inside K)
+  int64_t num_rows = 0, row = 0, offset = 0, k_bytes = 0, v_bytes = 0;
+  int64_t lines_per_step = 4, steps = 0;
+  void reset(int64_t count, int64_t total_lines) {
+    lines_per_step = steps > 0 ? (total_lines + steps - 1) / steps : 4;
+    num_rows = 2 * count;
+    row = offset = steps = 0;
+  }
+  WS_INLINE void step() {
+    ++steps;
+    for (int64_t i = 0; i < lines_per_step && row < num_rows; ++i) {
+      const int64_t bytes = (row & 1) ? v_bytes : k_bytes;
+      if (rows[row] == nullptr || offset >= bytes) {
+        offset = 0;
+        ++row;
+        continue;
+      }
+      __builtin_prefetch(rows[row] + offset, 0, 2);
+      offset += 64;
+    }
+  }
+  void finish() {
+    const int64_t steps_taken = steps;
+    lines_per_step = int64_t{1} << 40;
+    step();
+    steps = steps_taken;
+  }
+};
+
 // An AMX tile configuration (palette 1): rows and bytes per row of each of the 8 tiles.
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -212,6 +245,8 @@ struct ItemKernel {
   float* transposed = nullptr;  // [16, group]
   uint16_t* q_rows_hi = nullptr;  // [group, dim_qk]: q's halves before the transpose
   uint16_t* q_rows_lo = nullptr;
+  const char** ahead_rows = nullptr;  // [2 * kTileTokens]: the next tile's K and V rows
+  RowPrefetcher prefetch;
   AmxTiles<S> tiles;
   // bf16 q against bf16 K with the CPU's bf16 dot product: products of bf16 values are exact in
   // float32, so this is as accurate as widening first (the scale is applied after the dot).
@@ -235,6 +270,7 @@ struct ItemKernel {
     p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
     k_rows = reinterpret_cast<const T**>(p);
     v_rows = k_rows + kTileTokens;
+    ahead_rows = reinterpret_cast<const char**>(v_rows + kTileTokens);  // in the token vectors' scratch
     if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {
       char* z = static_cast<char*>(ws.data) + amx_workspace_offset(group, dim_qk, args.block_size);
       z = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(z) + 63) & ~uintptr_t(63));
@@ -285,12 +321,14 @@ struct ItemKernel {
   void amx_scores(int64_t count) {
     if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {
       tiles.configure_latent_scores(group);
+      RowPrefetcher local = prefetch;
       const int64_t k_stride_bytes = a.k_token_stride * 2;
       const int64_t qt_stride_bytes = group * 4;
       for (int64_t t0 = 0; t0 < count; t0 += 16) {
         const T* k0 = k_rows[t0];  // 16 consecutive rows of one block
         S::template tile_zero<0>();
         for (int64_t c = 0; c < dim_qk; c += 32) {
+          local.step();
           S::template tile_load<1>(k0 + c, k_stride_bytes);
           S::template tile_load<3>(qt_hi + c * group, qt_stride_bytes);
           S::template tile_dot<0, 1, 3>();
@@ -303,6 +341,7 @@ struct ItemKernel {
         for (int64_t i = 0; i < 16 && t0 + i < kTileTokens; ++i)
           for (int64_t g = 0; g < group; ++g) scores[g * kTileTokens + t0 + i] = transposed[i * group + g] * a.scale;
       }
+      prefetch = local;
     }
   }
 
@@ -321,7 +360,9 @@ struct ItemKernel {
         }
         for (; t < padded; ++t) hi[t] = lo[t] = 0;
       }
+      RowPrefetcher local = prefetch;
       tiles.values(acc, dim_v, group, p_hi, p_lo, kTileTokens, padded / 32, 32, [&](int64_t k, int64_t d0) {
+        local.step();
         const int64_t dims = dim_v - d0 < 64 ? dim_v - d0 : 64;
         for (int64_t pair = 0; pair < 16; ++pair) {
           const int64_t t = 32 * k + 2 * pair;  // rows past count are zeros, not whatever the block holds
@@ -332,6 +373,7 @@ struct ItemKernel {
         }
         return VSlice{v_pairs, 64 * 2 * 2, 32};
       });
+      prefetch = local;
     }
   }
 
@@ -435,13 +477,29 @@ struct ItemKernel {
     const T* k_base = static_cast<const T*>(a.k) + item.kv_head * a.k_head_stride;
     const T* v_base = static_cast<const T*>(a.v) + item.kv_head * a.v_head_stride;
     const bool first_tile = begin == item.token_begin;
-    const int64_t ahead_limit = begin + count + kPrefetchTiles * kTileTokens;
+    // The tile path spreads the next tile's lines over its tile products; the vector path asks for
+    // the next three tiles here.
+    const int64_t ahead_tiles = amx ? 1 : kPrefetchTiles;
+    const int64_t ahead_limit = begin + count + ahead_tiles * kTileTokens;
     const int64_t end = ahead_limit < item.token_end ? ahead_limit : item.token_end;
+    const bool v_in_k = a.v == a.k && a.v_head_stride == a.k_head_stride && a.v_block_stride == a.k_block_stride &&
+                        a.v_token_stride == a.k_token_stride;
+    if (amx) {
+      prefetch.finish();
+      prefetch.rows = ahead_rows;
+      prefetch.k_bytes = dim_qk * static_cast<int64_t>(sizeof(T));
+      prefetch.v_bytes = v_in_k ? 0 : dim_v * static_cast<int64_t>(sizeof(T));
+      const int64_t ahead = end - begin - count;
+      prefetch.reset(ahead, ahead * ((prefetch.k_bytes + 63) / 64 + (prefetch.v_bytes + 63) / 64));
+    }
     for (int64_t t = 0; begin + t < end; ++t) {
       const int64_t physical = table[block];
       const T* k_row = k_base + physical * a.k_block_stride + offset * a.k_token_stride;
       const T* v_row = v_base + physical * a.v_block_stride + offset * a.v_token_stride;
-      if (t < count) {
+      if (amx && t >= count) {
+        ahead_rows[2 * (t - count)] = reinterpret_cast<const char*>(k_row);
+        ahead_rows[2 * (t - count) + 1] = v_in_k ? nullptr : reinterpret_cast<const char*>(v_row);
+      } else if (t < count) {
         k_rows[t] = k_row;
         v_rows[t] = v_row;
         if (first_tile) {
