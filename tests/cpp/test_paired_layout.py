@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.cpp.test_bad_arguments import call_kernel, valid_kernel_args
 from tests.tolerances import assert_partials_close
 from writescope import _cpu, ops
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
@@ -78,19 +79,27 @@ def test_chunks_are_rounded_to_whole_blocks_without_changing_the_result(chunk_to
     assert_partials_close(out, lse, ref_out, ref_lse)
 
 
-def test_result_is_identical_for_any_thread_count():
-    q, source = paged([4099, 1500], 16)
-    paired = as_paired(source)
+def results_for_thread_counts(q, source, scale=0.1):
+    """(out, lse) of the same call with 1, 2 and 3 kernel threads."""
     default_threads = _cpu.num_threads()
     try:
         results = []
         for threads in (1, 2, 3):
             _cpu.set_num_threads(threads)
-            results.append(ops.cpu_paged_attention_timed(q, paired, 0.1)[:2])
+            results.append(ops.cpu_paged_attention_timed(q, source, scale)[:2])
     finally:
         _cpu.set_num_threads(default_threads)
+    return results
+
+
+def assert_identical(results):
     for out, lse in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
+def test_result_is_identical_for_any_thread_count():
+    q, source = paged([4099, 1500], 16)
+    assert_identical(results_for_thread_counts(q, as_paired(source)))
 
 
 def test_to_paired_round_trips_and_is_the_kernels_layout():
@@ -139,26 +148,11 @@ def test_formats_the_pairs_cannot_hold_are_refused():
 
 
 def paired_kernel_args():
+    """valid_kernel_args with K and V in the paired layout: the same 2 sequences, heads and block size."""
     rng = np.random.default_rng(0)
-    return {
-        "q": rng.standard_normal((2, 4, 8), dtype=np.float32),
-        "k_cache": rng.standard_normal((3, 2, 4, 4, 2), dtype=np.float32),
-        "v_cache": rng.standard_normal((3, 2, 2, 6, 2), dtype=np.float32),
-        "block_table": np.array([[0, 1], [2, 0]], dtype=np.int32),
-        "seq_lens": np.array([5, 3], dtype=np.int32),
-        "out": np.zeros((2, 4, 6), dtype=np.float32),
-        "lse": np.zeros((2, 4), dtype=np.float32),
-        "q_dtype": "float32",
-        "kv_dtype": "float32",
-        "layout": "paired",
-        "scale": 0.5,
-    }
-
-
-def call_kernel(args):
-    args = dict(args)
-    arrays = [args.pop(n) for n in ("q", "k_cache", "v_cache", "block_table", "seq_lens", "out", "lse")]
-    _cpu.paged_attention(*arrays, **args)
+    return {**valid_kernel_args(), "layout": "paired",
+            "k_cache": rng.standard_normal((3, 2, 4, 4, 2), dtype=np.float32),
+            "v_cache": rng.standard_normal((3, 2, 2, 6, 2), dtype=np.float32)}
 
 
 def test_valid_paired_arguments_run():

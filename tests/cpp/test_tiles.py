@@ -5,7 +5,7 @@ paths, so the tests hold everywhere. Unused block slots hold NaN: nothing there 
 import pytest
 import torch
 
-from tests.cpp.test_paired_layout import as_paired, paged
+from tests.cpp.test_paired_layout import as_paired, assert_identical, paged, results_for_thread_counts
 from tests.tolerances import assert_partials_close
 from writescope import _cpu, ops
 
@@ -42,16 +42,7 @@ def test_mla_latent_as_value_prefix(cpu_variant):
 def test_tile_results_are_identical_for_any_thread_count(layout):
     q, source = paged([4099, 1500], 16, num_kv_heads=2, group=16, head_dim_k=128, head_dim_v=128)
     source = as_paired(source) if layout == "paired" else source
-    default_threads = _cpu.num_threads()
-    try:
-        results = []
-        for threads in (1, 2, 3):
-            _cpu.set_num_threads(threads)
-            results.append(ops.cpu_paged_attention_timed(q, source, 0.1)[:2])
-    finally:
-        _cpu.set_num_threads(default_threads)
-    for out, lse in results[1:]:
-        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+    assert_identical(results_for_thread_counts(q, source))
 
 
 def test_the_instructions_reported_follow_the_variant_and_shape():

@@ -57,6 +57,40 @@ inline uint16_t bf16_round(float x) {  // to nearest even (finite inputs)
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// The online softmax of one tile, for both kernels: scores [group, stride] of its first `count`
+// tokens -> probabilities in place (0 in the padding up to a whole vector), each head's running max
+// and sum updated, and its output row acc [group, dim_v] rescaled when the max grows.
+template <class S>
+void online_softmax(float* scores, int64_t stride, int64_t group, int64_t count, float* row_max, float* row_sum,
+                    float* acc, int64_t dim_v) {
+  using V = typename S::V;
+  constexpr int W = S::kWidth;
+  const int64_t padded = (count + W - 1) / W * W;
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * stride;
+    for (int64_t t = count; t < padded; ++t) row[t] = kNegInf;  // exp -> 0 in the padding
+    V vmax = S::set1(kNegInf);
+    for (int64_t t = 0; t < padded; t += W) vmax = S::max(vmax, S::load(row + t));
+    const float tile_max = S::reduce_max(vmax);
+    const float new_max = tile_max > row_max[g] ? tile_max : row_max[g];
+    const V shift = S::set1(new_max);
+    V vsum = S::zero();
+    for (int64_t t = 0; t < padded; t += W) {
+      const V p = S::exp(S::sub(S::load(row + t), shift));
+      S::store(row + t, p);
+      vsum = S::add(vsum, p);
+    }
+    if (new_max != row_max[g]) {
+      const float alpha = row_max[g] == kNegInf ? 0.0f : std::exp(row_max[g] - new_max);
+      row_sum[g] *= alpha;
+      float* out = acc + g * dim_v;
+      for (int64_t d = 0; d < dim_v; ++d) out[d] *= alpha;
+      row_max[g] = new_max;
+    }
+    row_sum[g] += S::reduce_add(vsum);
+  }
+}
+
 // The next tile's rows, asked for a few lines at a time from inside the tile products (see the
 // paired kernel's Prefetcher: spread out, the requests stay in flight while the tile computes).
 // Loops copy it into a local so its fields live in registers.
@@ -644,32 +678,8 @@ struct ItemKernel {
     }
   }
 
-  // Online softmax: new running max, rescale the running sum and accumulator, probabilities.
   void update_softmax(int64_t count, float* acc) {
-    const int64_t padded = (count + W - 1) / W * W;
-    for (int64_t g = 0; g < group; ++g) {
-      float* row = scores + g * kTileTokens;
-      for (int64_t t = count; t < padded; ++t) row[t] = kNegInf;  // exp -> 0 in the padding
-      V vmax = S::set1(kNegInf);
-      for (int64_t t = 0; t < padded; t += W) vmax = S::max(vmax, S::load(row + t));
-      const float tile_max = S::reduce_max(vmax);
-      const float new_max = tile_max > row_max[g] ? tile_max : row_max[g];
-      const V shift = S::set1(new_max);
-      V vsum = S::zero();
-      for (int64_t t = 0; t < padded; t += W) {
-        const V p = S::exp(S::sub(S::load(row + t), shift));
-        S::store(row + t, p);
-        vsum = S::add(vsum, p);
-      }
-      if (new_max != row_max[g]) {
-        const float alpha = row_max[g] == kNegInf ? 0.0f : std::exp(row_max[g] - new_max);
-        row_sum[g] *= alpha;
-        float* out = acc + g * dim_v;
-        for (int64_t d = 0; d < dim_v; ++d) out[d] *= alpha;
-        row_max[g] = new_max;
-      }
-      row_sum[g] += S::reduce_add(vsum);
-    }
+    online_softmax<S>(scores, kTileTokens, group, count, row_max, row_sum, acc, dim_v);
   }
 
   template <int GT, int NV>

@@ -401,30 +401,7 @@ struct PairedKernel {
 
   // ------------------------------------------------------------------ softmax
   void update_softmax(int64_t count, float* acc) {
-    const int64_t padded = (count + W - 1) / W * W;
-    for (int64_t g = 0; g < group; ++g) {
-      float* row = scores + g * stride;
-      for (int64_t t = count; t < padded; ++t) row[t] = kNegInf;  // exp -> 0 in the padding
-      V vmax = S::set1(kNegInf);
-      for (int64_t t = 0; t < padded; t += W) vmax = S::max(vmax, S::load(row + t));
-      const float tile_max = S::reduce_max(vmax);
-      const float new_max = tile_max > row_max[g] ? tile_max : row_max[g];
-      const V shift = S::set1(new_max);
-      V vsum = S::zero();
-      for (int64_t t = 0; t < padded; t += W) {
-        const V p = S::exp(S::sub(S::load(row + t), shift));
-        S::store(row + t, p);
-        vsum = S::add(vsum, p);
-      }
-      if (new_max != row_max[g]) {
-        const float alpha = row_max[g] == kNegInf ? 0.0f : std::exp(row_max[g] - new_max);
-        row_sum[g] *= alpha;
-        float* out = acc + g * dim_v;
-        for (int64_t d = 0; d < dim_v; ++d) out[d] *= alpha;
-        row_max[g] = new_max;
-      }
-      row_sum[g] += S::reduce_add(vsum);
-    }
+    online_softmax<S>(scores, stride, group, count, row_max, row_sum, acc, dim_v);
   }
 
   // ------------------------------------------------------------------ values
