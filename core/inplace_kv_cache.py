@@ -1,7 +1,8 @@
 """InplaceKVCache: the KV cache whose tokens get their physical residency when they are written.
 
 Four regions (DESIGN.md section 2):
-    cpu_compute   host shared memory, head-major blocks, one shard per NUMA node; the CPU attends it
+    cpu_compute   host shared memory, head-major blocks in the CPU kernel's paired layout (kv_format),
+                  one shard per NUMA node; the CPU attends it
     cpu_transfer  host shared memory (pinned where CUDA is present), block-major; streamed to the
                   device each step and attended there (attended in place when the device is the CPU)
     gpu_pingpong  two fixed buffers on the device, refilled per layer from cpu_transfer

@@ -1,0 +1,36 @@
+"""tools/bench_cpu_attention.py end to end on tiny inputs: every row checked against the torch reference
+inside the tool, and the figures the README's table is made of."""
+
+import json
+
+import pytest
+
+from writescope.tools import bench_cpu_attention as bench
+from writescope import _cpu
+
+
+def test_rows_carry_the_roofline_the_instructions_and_the_machine(tmp_path):
+    out = tmp_path / "cpu_attention.json"
+    bench.main(["--seq-lens", "64", "256", "--no-peers", "--repeats", "1", "--warmup", "0",
+                "--read-bytes", str(1 << 20), "--run-blocks", "2", "--out", str(out)])
+    result = json.loads(out.read_text())
+    machine = result["machine"]
+    assert machine["cpu_variant"] == _cpu.__cpu_variant__ and machine["cpu_model"]
+    assert machine["read_gbps"] > 0 and machine["fma_gflops"] > 0
+    assert (machine["tile_gflops"] is not None) == (_cpu.__cpu_variant__ == "amx")
+    assert len(result["rows"]) == 2 * len(bench.SHAPES)
+    for row in result["rows"]:
+        assert row["instructions"] in ("fma/fma", "dot/fma", "tile/tile")
+        assert row["kernel_ms"] > 0 and row["roofline_ms"] > 0
+        assert row["fraction_of_roofline"] == pytest.approx(row["roofline_ms"] / row["kernel_ms"])
+    assert bench.markdown_table(result).count("\n| ") == len(result["rows"]) + 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seq-lens", "100"], "multiples of the block size 16"),
+    (["--run-blocks", "0"], "--run-blocks must be >= 1"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(argv)
+    assert message in capsys.readouterr().err
