@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from writescope.tools import bench_cpu_attention as bench
 from writescope import _cpu
+from writescope.tools import bench_cpu_attention as bench
 
 
 def test_rows_carry_the_roofline_the_instructions_and_the_machine(tmp_path):
