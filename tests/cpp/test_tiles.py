@@ -16,16 +16,18 @@ def reference(q, source):
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("group", [8, 16, 24])
-def test_paired_tiles(cpu_variant, q_dtype, group):
-    q, source = paged([613, 77, 16, 1], 16, group=group, q_dtype=q_dtype)
+@pytest.mark.parametrize("block_size", [16, 32, 64])
+def test_paired_tiles(cpu_variant, q_dtype, group, block_size):
+    q, source = paged([613, 77, 16, 1], block_size, group=group, q_dtype=q_dtype)
     out, lse, _ = ops.cpu_paged_attention_timed(q, as_paired(source), 128**-0.5)
     assert_partials_close(out, lse, *reference(q, source))
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group, head_dims", [(16, (576, 512)), (8, (128, 128)), (16, (64, 32))])
-def test_token_major_tiles(cpu_variant, q_dtype, group, head_dims):
-    q, source = paged([613, 77, 32, 3], 16, num_kv_heads=1, group=group, head_dim_k=head_dims[0],
+@pytest.mark.parametrize("block_size", [16, 48])
+def test_token_major_tiles(cpu_variant, q_dtype, group, head_dims, block_size):
+    q, source = paged([613, 77, 32, 3], block_size, num_kv_heads=1, group=group, head_dim_k=head_dims[0],
                       head_dim_v=head_dims[1], q_dtype=q_dtype)
     out, lse, _ = ops.cpu_paged_attention_timed(q, source, 0.07)
     assert_partials_close(out, lse, *ops.paged_partial_attention(q, *source, scale=0.07, backend="torch"))
