@@ -317,7 +317,7 @@ double paged_attention(const py::array& q, const py::array& k_cache, const py::a
   job.args.use_bf16_dot = rt.bf16_dot_faster;
   job.workspaces = &rt.workspaces;
   const int64_t ws_bytes = kernel_workspace_bytes(job.group_size, job.args.head_dim_qk, job.args.head_dim_v,
-                                                job.args.block_size);
+                                                  scratch_block_size(job.args.layout, job.args.block_size));
   for (auto& ws : rt.workspaces)
     if (static_cast<int64_t>(ws.size()) < ws_bytes) ws.resize(ws_bytes);
   plan_items(job, chunk_tokens, out_ptr, lse_ptr, rt.chunk_partials);

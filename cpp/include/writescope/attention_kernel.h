@@ -306,7 +306,8 @@ struct ItemKernel {
     v_rows = k_rows + kTileTokens;
     ahead_rows = reinterpret_cast<const char**>(v_rows + kTileTokens);  // in the token vectors' scratch
     if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {
-      char* z = static_cast<char*>(ws.data) + amx_workspace_offset(group, dim_qk, args.block_size);
+      char* z = static_cast<char*>(ws.data) + amx_workspace_offset(group, dim_qk, scratch_block_size(args.layout,
+                                                                                                   args.block_size));
       z = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(z) + 63) & ~uintptr_t(63));
       qt_hi = reinterpret_cast<uint16_t*>(z);
       qt_lo = qt_hi + group * dim_qk;

@@ -68,7 +68,14 @@ inline int64_t paired_tile_blocks(int64_t block_size) {
 // Scores of one head in a tile, rounded up to the widest vector (16 floats).
 inline int64_t tile_score_stride(int64_t tile_tokens) { return (tile_tokens + 15) / 16 * 16; }
 
-// The kernels' scratch before their AMX operands: q, scores, softmax state, row pointers, token vectors.
+// The block size the scratch is sized by: the paired kernel's tiles are whole blocks; the token-major
+// kernel's are kTileTokens whatever the block (a one-block sequence of 1M tokens needs no more).
+inline int64_t scratch_block_size(KvLayout layout, int64_t block_size) {
+  return layout == KvLayout::kPaired ? block_size : 0;
+}
+
+// The kernels' scratch before their AMX operands: q, scores, softmax state, row pointers, token
+// vectors. block_size: scratch_block_size's.
 inline int64_t amx_workspace_offset(int64_t group, int64_t head_dim_qk, int64_t block_size) {
   const int64_t tile_tokens = kTileTokens > block_size ? kTileTokens : block_size;
   const int64_t q_bytes = group * head_dim_qk * 4;
@@ -79,6 +86,7 @@ inline int64_t amx_workspace_offset(int64_t group, int64_t head_dim_qk, int64_t 
   return q_bytes + scores_bytes + softmax_state_bytes + 64 + row_pointer_bytes + token_vector_bytes;
 }
 
+// block_size: scratch_block_size's.
 inline int64_t kernel_workspace_bytes(int64_t group, int64_t head_dim_qk, int64_t head_dim_v, int64_t block_size) {
   const int64_t tile_tokens = kTileTokens > block_size ? kTileTokens : block_size;
   // The AMX paths' operands: q (and its transpose) and probabilities split in bf16 high and low

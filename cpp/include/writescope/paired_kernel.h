@@ -119,7 +119,7 @@ struct PairedKernel {
     k_blocks = reinterpret_cast<const T**>(p);
     v_blocks = k_blocks + tile_blocks;
     vectors = reinterpret_cast<TokenVector*>(v_blocks + tile_blocks);
-    p = static_cast<char*>(ws.data) + amx_workspace_offset(group, dim_qk, block_size);
+    p = static_cast<char*>(ws.data) + amx_workspace_offset(group, dim_qk, scratch_block_size(a.layout, block_size));
     p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
     q_hi = reinterpret_cast<uint16_t*>(p);
     q_lo = q_hi + group * dim_qk;
