@@ -109,7 +109,7 @@ def multi_source_partial_attention(q, sources, *, scale=None, backend="cpu"):
     scale = _resolve_scale(scale, q.shape[-1])
     if backend == "triton":
         for source in sources:
-            _check_block_values(source.token_major())
+            _check_block_values(source)
     return attend(q, sources, scale, backend)
 
 
@@ -248,7 +248,8 @@ def _check_paged_structure(q, source: KVSource):
 def _check_block_values(source):
     """Every block a sequence uses is inside the cache, and no sequence is longer than its table:
     checked on the tensors' device with one host sync, before any kernel reads through them."""
-    num_blocks, _, block_size, _ = source.k_cache.shape
+    num_blocks = source.k_cache.shape[0]
+    block_size = source.k_cache.shape[3 if source.layout == PAIRED else 2]
     table, lens = source.block_table, source.seq_lens
     capacity = table.shape[1] * block_size
     lens64 = lens.long()

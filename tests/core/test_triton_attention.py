@@ -126,6 +126,22 @@ def test_bad_block_table_is_refused_before_the_kernel(triton_device):
         ops.paged_partial_attention(q, k_cache, v_cache, table, torch.full_like(lens, 99), backend="triton")
 
 
+def test_paired_source_is_attended_and_its_blocks_checked(triton_device):
+    # cpu_compute's paired blocks (the monolithic baseline ships them as they are)
+    from writescope.kv_format import to_paired
+
+    q, k_cache, v_cache, table, lens = make_paged([613, 97], 16, device=triton_device)
+    paired = ops.KVSource(to_paired("k", k_cache), to_paired("v", v_cache), table, lens)
+    out, lse = ops.multi_source_partial_attention(q, [paired], backend="triton")
+    ref_out, ref_lse = ops.paged_partial_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), table.cpu(), lens.cpu(),
+                                                   backend="torch")
+    assert_partials_close(out.cpu(), lse.cpu(), ref_out, ref_lse, *triton_tolerances(triton_device, torch.bfloat16))
+    bad = table.clone()
+    bad[1, 0] = k_cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\]"):
+        ops.multi_source_partial_attention(q, [paired._replace(block_table=bad)], backend="triton")
+
+
 def test_cpu_tensors_need_the_interpreter():
     code = ("import torch; from writescope import ops\n"
             "try:\n    ops.partial_attention(torch.randn(4, 16), torch.randn(1, 3, 16), torch.randn(1, 3, 16),"

