@@ -383,8 +383,7 @@ class LocalEngine:
             raise RuntimeError(f"the in-process engine failed: {self.service.failure}")
 
     def current_share(self) -> float | None:
-        tokens = sum(s.num_tokens for s in self.engine.cache.seqs.values())
-        return self.engine.policy.share(tokens) if tokens else None
+        return self.engine.cache.wanted_share()
 
     def shutdown(self) -> None:
         self.service.close()

@@ -162,10 +162,9 @@ class GPUWorker:
         config = cache.config
         compute_total = config.compute_blocks_per_shard * config.num_shards
         compute_used = sum(len(a.allocated) for a in cache.compute_alloc)
-        batch_tokens = sum(state.num_tokens for state in list(cache.seqs.values()))
         return {"waiting": self.service.waiting, "running_seqs": len(cache.seqs), **self.service.counters,
-                "cpu_share_now": self.engine.policy.share(batch_tokens) if batch_tokens else None,
-                "cpu_share_at_32k": self.engine.policy.share(32768),
+                "cpu_share_now": cache.wanted_share(),
+                "cpu_share_at_32k": self.engine.policy.preview_share(32768),
                 "occupancy": {"cpu_compute": compute_used / max(compute_total, 1),
                               "cpu_transfer": len(cache.transfer_alloc.allocated) / max(config.transfer_blocks, 1)},
                 "steps": self.engine.stats["steps"], "decode_s": self.engine.stats["decode_s"],

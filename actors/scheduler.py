@@ -47,7 +47,7 @@ class WriteScopeScheduler:
     def state(self) -> dict:
         model = getattr(self.policy, "model", None)
         return {"policy": self.policy.name if self.policy else None, "steps": self.steps,
-                "share_at_32k": self.policy.share(32768) if self.policy else None,
+                "share_at_32k": self.policy.preview_share(32768) if self.policy else None,
                 "model": vars(model) if model is not None else None}
 
     def pid(self) -> int:
@@ -77,6 +77,9 @@ class RemotePolicy(Policy):
 
     def share(self, batch_tokens: int) -> float:
         return self._policy.share(batch_tokens)
+
+    def preview_share(self, batch_tokens: int) -> float:
+        return self._policy.preview_share(batch_tokens)
 
     def reset(self, snapshot: Policy) -> None:
         """The scheduler's policy again (after calibration), at once."""

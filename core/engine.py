@@ -588,7 +588,7 @@ def placement(engine: Engine) -> dict:
             placed[p.region.value] += cache.block_size
         placed["gpu_window"] += state.window_len
     spilled = placed["cpu_compute"] + placed["cpu_transfer"]
-    return {"placed_tokens": placed, "spilled_tokens": spilled, "cpu_share_spilled": engine.policy.share(spilled)}
+    return {"placed_tokens": placed, "spilled_tokens": spilled, "cpu_share_spilled": cache.wanted_share()}
 
 
 def load_model(path_or_preset: str, dtype=None, seed: int = 0):

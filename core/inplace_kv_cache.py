@@ -315,6 +315,13 @@ class InplaceKVCache:
         """Tokens of all live sequences outside the window: the L of the perf model."""
         return sum(len(s.blocks) * self.block_size for s in self.seqs.values())
 
+    def wanted_share(self) -> float | None:
+        """The CPU share the policy wants now for the live sequences' spilled KV (the tokens outside
+        the window, as when it routes blocks), or None with nothing spilled. Only a preview: asking
+        does not change what the policy chooses for the next blocks."""
+        spilled = self.spilled_tokens()
+        return self.policy.preview_share(spilled) if spilled else None
+
     def placed_share(self, seq_id) -> float:
         state = self._state(seq_id)
         if not state.blocks:

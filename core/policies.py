@@ -37,6 +37,11 @@ class Policy(ABC):
     def share(self, batch_tokens: int) -> float:
         """The CPU share r wanted for a batch holding batch_tokens of KV outside the GPU window."""
 
+    def preview_share(self, batch_tokens: int) -> float:
+        """What share() would answer now, without taking it as a choice: for reports and metrics,
+        which must not steer where the next blocks go."""
+        return self.share(batch_tokens)
+
     def observe_step(self, cpu_tokens: int, cpu_s: float, transfer_tokens: int, transfer_s: float) -> None:
         """Measured times of one layer's step; fixed policies ignore them."""
         return None
@@ -98,17 +103,25 @@ class WriteScopePolicy(Policy):
         (an end or the balance point), chosen by margins; a new choice is taken only when the model
         says it saves SWITCH_GAIN over the current one, so noise in the online estimates does not
         flip new blocks between the sides step after step."""
-        model = self.model
         if batch_tokens <= 0:
             return 0.0
+        choice, share = self._choose(batch_tokens)
+        self._choice = choice
+        return share
+
+    def preview_share(self, batch_tokens: int) -> float:
+        return self._choose(batch_tokens)[1] if batch_tokens > 0 else 0.0
+
+    def _choose(self, batch_tokens: int) -> tuple[str, float]:
+        """(candidate, r) that share() takes for batch_tokens > 0 given the current choice."""
+        model = self.model
         shares = model.candidate_shares(batch_tokens)
         choice = model.choice(batch_tokens)
         if model.shares_host and self._choice is not None and choice != self._choice:
             kept_s = model.step_time_s(shares[self._choice], batch_tokens)
             if kept_s <= model.step_time_s(shares[choice], batch_tokens) * (1 + SWITCH_GAIN):
                 choice = self._choice
-        self._choice = choice
-        return shares[choice]
+        return choice, shares[choice]
 
     def observe_step(self, cpu_tokens: int, cpu_s: float, transfer_tokens: int, transfer_s: float) -> None:
         """One layer of the step: the CPU partial's own seconds, the device path's wall seconds."""

@@ -13,6 +13,13 @@ the shape pays for them; the QK/PV column names them), the fraction of roofline 
 speed ratio against torch SDPA (bf16 and float32 inputs) and torch bmm + softmax on the same shapes
 (contiguous tensors, their best case).
 
+Every call, the kernel's and the peers', reads KV from DRAM as a decode step does (a step reads every
+layer's KV in turn, more than any last-level cache holds): the row keeps ceil(--cold-bytes / KV
+bytes) copies of its KV in distinct memory (each its own block order, like separate layers) and
+each call reads the next one, so at least --cold-bytes (default: the bandwidth probe's buffer) are
+read between two reads of the same bytes. On a host whose last-level cache holds a short context
+(480 MiB on some Xeons), timing one copy over and over measures the cache, not the roofline.
+
 FLOPs = 2 * num_q_heads * seq_len * (head_dim_qk + head_dim_v)  (QK^T and PV multiply-adds)
 KV bytes = num_kv_heads * seq_len * (head_dim_qk + head_dim_v) * 2, but MLA reads its latent once:
            seq_len * 576 * 2.
@@ -23,6 +30,7 @@ KV bytes = num_kv_heads * seq_len * (head_dim_qk + head_dim_v) * 2, but MLA read
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import platform
@@ -112,27 +120,57 @@ def bmm_softmax(q, k, v, scale):
     return torch.bmm(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
-def measure_peers(q, k, v, scale, warmup, repeats):
-    peers = {
-        "sdpa_bf16": lambda: sdpa(q, k, v, scale),
-        "bmm_softmax_bf16": lambda: bmm_softmax(q, k, v, scale),
-    }
-    q32, k32, v32 = q.float(), k.float(), v.float()
-    peers["sdpa_fp32"] = lambda: sdpa(q32, k32, v32, scale)
-    return {name: median_time_s(fn, repeats, warmup) for name, fn in peers.items()}
+def copies_for(shape: Shape, seq_len: int, cold_bytes: int) -> int:
+    """How many copies of a row's KV keep at least cold_bytes between two reads of the same bytes."""
+    return max(1, -(-cold_bytes // kv_bytes(shape, seq_len)))
+
+
+def rotating(calls):
+    """One callable that runs the next of `calls` each time, round robin."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+def kv_copies(shape: Shape, k, v, num_copies: int, dtype=torch.bfloat16):
+    """num_copies (k, v) pairs in distinct memory, as `dtype`; MLA's v stays a prefix view of its k."""
+    copies = []
+    for _ in range(num_copies):
+        k_copy = k.to(dtype, copy=True)
+        v_copy = k_copy[..., : shape.head_dim_v] if shape.v_is_latent else v.to(dtype, copy=True)
+        copies.append((k_copy, v_copy))
+    return copies
+
+
+def measure_peers(shape, q, k, v, scale, num_copies, warmup, repeats):
+    """Median seconds of each torch peer, every call on the next of num_copies copies of k, v."""
+    peer_fns = {"sdpa_bf16": sdpa, "bmm_softmax_bf16": bmm_softmax, "sdpa_fp32": sdpa}
+    times = {}
+    for name, peer in peer_fns.items():
+        dtype = torch.float32 if name.endswith("fp32") else torch.bfloat16
+        q_in = q.to(dtype)
+        copies = kv_copies(shape, k, v, num_copies, dtype)
+        call = rotating([lambda kc=kc, vc=vc: peer(q_in, kc, vc, scale) for kc, vc in copies])
+        times[name] = median_time_s(call, repeats, warmup)
+        del copies, call  # one peer's copies at a time
+    return times
 
 
 def bench_row(shape, seq_len, roofline, args):
     q, k, v = make_inputs(shape, seq_len)
     scale = shape.head_dim_qk**-0.5
-    source = cache_source(shape, k, v, torch.Generator().manual_seed(seq_len), args.run_blocks)
-    check_against_reference(q, source, k, v, scale)
-    kernel_s = median_time_s(lambda: ops.cpu_paged_attention_timed(q[None], source, scale), args.repeats, args.warmup)
-    peers = {} if args.no_peers else measure_peers(q, k, v, scale, 1, args.peer_repeats)
+    num_copies = copies_for(shape, seq_len, args.cold_bytes)
+    sources = [cache_source(shape, k, v, torch.Generator().manual_seed(seq_len * 1000 + i), args.run_blocks)
+               for i in range(num_copies)]
+    check_against_reference(q, sources[0], k, v, scale)
+    kernel = rotating([lambda s=s: ops.cpu_paged_attention_timed(q[None], s, scale) for s in sources])
+    kernel_s = median_time_s(kernel, args.repeats, max(args.warmup, num_copies))
+    del kernel, sources
+    peers = {} if args.no_peers else measure_peers(shape, q, k, v, scale, num_copies, 1, args.peer_repeats)
     nbytes, nflops = kv_bytes(shape, seq_len), flops(shape, seq_len)
     row = {
         "shape": shape.name,
         "seq_len": seq_len,
+        "kv_copies": num_copies,
         "kernel_ms": kernel_s * 1e3,
         "kv_gbps": nbytes / kernel_s / 1e9,
         "gflops": nflops / kernel_s / 1e9,
@@ -194,7 +232,8 @@ def markdown_table(result: dict) -> str:
         f"{m['cpu_model']}, variant `{m['cpu_variant']}` (bf16 dot used: {'yes' if m['uses_bf16_dot'] else 'no'}), "
         f"{m['threads']} threads; read {m['read_gbps']:.1f} GB/s; GFLOP/s: FMA {m['fma_gflops']:.0f}, "
         f"bf16 dot {_gflops(m['dot_gflops'])}, AMX tiles {_gflops(m['tile_gflops'])}; "
-        f"blocks in runs of {m['run_blocks']}",
+        f"blocks in runs of {m['run_blocks']}; every call reads KV not read for {m['cold_bytes'] / 2**20:.0f} MiB "
+        f"(copies rotated)",
         "",
         "| shape | L | QK/PV | kernel ms | KV GB/s | GFLOP/s | bound | roofline ms | of roofline "
         "| vs SDPA bf16 | vs SDPA fp32 | vs bmm+softmax |",
@@ -224,10 +263,17 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--run-blocks", type=int, default=16,
                         help="consecutive physical blocks per run (16: one window flush; 1: every block shuffled)")
     parser.add_argument("--read-bytes", type=int, default=1 << 30, help="buffer of the bandwidth probe")
+    parser.add_argument("--cold-bytes", type=int, default=None,
+                        help="bytes read between two reads of the same KV (copies rotated; default --read-bytes; "
+                             "0: one copy, timed warm)")
     parser.add_argument("--out", default="bench_results/cpu_attention.json", help="JSON output path")
     args = parser.parse_args(argv)
     if args.run_blocks < 1:
         parser.error(f"--run-blocks must be >= 1, got {args.run_blocks}")
+    if args.cold_bytes is None:
+        args.cold_bytes = args.read_bytes
+    if args.cold_bytes < 0:
+        parser.error(f"--cold-bytes must be >= 0, got {args.cold_bytes}")
     bad = [n for n in args.seq_lens if n < BLOCK_SIZE or n % BLOCK_SIZE]
     if bad:
         parser.error(f"--seq-lens must be positive multiples of the block size {BLOCK_SIZE}, got {bad}")
@@ -257,6 +303,7 @@ def main(argv: list[str] | None = None):
     result = {
         "machine": {"cpu_model": cpu_model(), "cpu_variant": _cpu.__cpu_variant__,
                     "uses_bf16_dot": _cpu.uses_bf16_dot(), "threads": _cpu.num_threads(), "run_blocks": args.run_blocks,
+                    "cold_bytes": args.cold_bytes,
                     "torch_threads": torch.get_num_threads(), "processor": platform.processor(),
                     "cpus": os.cpu_count(), **roofline},
         "shapes": [asdict(s) for s in SHAPES if s.name in args.shapes],

@@ -234,3 +234,21 @@ def test_on_a_shared_host_noise_does_not_flip_r_star_but_a_real_change_does():
         policy.observe_step(50_000, 2 * (1e-7 * 50_000) + 1e-5, 50_000, 1e-7 * 50_000 + 1e-5)
         policy.end_step()
     assert policy.share(100_000) < 0.4
+
+
+def test_previewing_the_share_does_not_steer_the_next_choice():
+    """Reports (the GPU worker's state, placement) ask the policy for its share; on a shared host
+    share() keeps its last choice unless a new one saves SWITCH_GAIN, so a report that called it
+    would change where the next blocks go. preview_share answers the same without choosing."""
+    model = PerfModel(9.8e-8, 7.9e-8, 9.0e-5, 2.3e-4, overlap=0.0)  # device end at 16K, CPU end at 1K
+    assert model.shares_host and model.choice(16_000) == "device" and model.choice(1_000) == "cpu"
+    steered = make_policy("writescope", model)
+    steered.share(16_000)
+    kept = steered.share(1_000)  # the device end kept: the CPU end does not save enough at 1K
+    assert kept == model.candidate_shares(1_000)["device"] != model.candidate_shares(1_000)["cpu"]
+
+    previewed = make_policy("writescope", model)
+    assert previewed.preview_share(16_000) == model.candidate_shares(16_000)["device"]
+    assert previewed.share(1_000) == model.candidate_shares(1_000)["cpu"]  # as if never asked
+    assert previewed.preview_share(16_000) == previewed.share(16_000)  # a preview says what share() takes
+    assert previewed.preview_share(0) == previewed.share(0) == 0.0

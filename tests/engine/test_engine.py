@@ -300,3 +300,31 @@ def test_a_text_prompt_is_checked_before_it_is_tokenised():
         assert len(engine.generate(["still works"], max_new_tokens=3)[0].token_ids) == 3
     finally:
         engine.shutdown()
+
+
+def test_the_share_reported_is_the_share_blocks_are_routed_with():
+    """placement() and the batch job's progress report the share the policy wants for the tokens
+    outside the window (what route_blocks is given), not for every token: with a share that falls
+    with L the two differ."""
+    from writescope.actors.batch_job import LocalEngine
+    from writescope.engine import placement
+    from writescope.perf_model import PerfModel
+    from writescope.policies import make_policy
+
+    policy = make_policy("writescope", PerfModel(2e-7, 1e-7, 2e-6, 1e-5))  # r* 0.60 at 100 tokens, 0.44 at 240
+    engine = small_engine(policy=policy, max_batch_size=1)
+    local = LocalEngine(engine, max_waiting=1)
+    try:
+        checked, differed = 0, 0
+        for event in engine.generate_stream([list(range(1, 150))], max_new_tokens=40):
+            spilled = engine.cache.spilled_tokens()
+            every_token = sum(s.num_tokens for s in engine.cache.seqs.values())
+            if not spilled or event.finish_reason is not None:
+                continue
+            wanted = policy.preview_share(spilled)
+            assert placement(engine)["cpu_share_spilled"] == wanted == local.current_share()
+            differed += wanted != policy.preview_share(every_token)  # the window's tokens are not the policy's L
+            checked += 1
+        assert checked >= 30 and differed >= checked // 2
+    finally:
+        local.shutdown()

@@ -12,14 +12,17 @@ from writescope.tools import bench_cpu_attention as bench
 def test_rows_carry_the_roofline_the_instructions_and_the_machine(tmp_path):
     out = tmp_path / "cpu_attention.json"
     bench.main(["--seq-lens", "64", "256", "--no-peers", "--repeats", "1", "--warmup", "0",
-                "--read-bytes", str(1 << 20), "--run-blocks", "2", "--out", str(out)])
+                "--read-bytes", str(1 << 20), "--run-blocks", "2", "--cold-bytes", str(1 << 20), "--out", str(out)])
     result = json.loads(out.read_text())
     machine = result["machine"]
     assert machine["cpu_variant"] == _cpu.__cpu_variant__ and machine["cpu_model"]
     assert machine["read_gbps"] > 0 and machine["fma_gflops"] > 0
     assert (machine["tile_gflops"] is not None) == (_cpu.__cpu_variant__ == "amx")
     assert len(result["rows"]) == 2 * len(bench.SHAPES)
+    assert machine["cold_bytes"] == 1 << 20
     for row in result["rows"]:
+        shape = next(s for s in bench.SHAPES if s.name == row["shape"])
+        assert row["kv_copies"] * bench.kv_bytes(shape, row["seq_len"]) >= 1 << 20  # each call reads cold KV
         assert row["instructions"] in ("fma/fma", "dot/fma", "tile/tile")
         assert row["kernel_ms"] > 0 and row["roofline_ms"] > 0
         assert row["fraction_of_roofline"] == pytest.approx(row["roofline_ms"] / row["kernel_ms"])
@@ -29,8 +32,21 @@ def test_rows_carry_the_roofline_the_instructions_and_the_machine(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--seq-lens", "100"], "multiples of the block size 16"),
     (["--run-blocks", "0"], "--run-blocks must be >= 1"),
+    (["--cold-bytes", "-1"], "--cold-bytes must be >= 0"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_rotating_calls_visit_every_copy_before_repeating_one():
+    seen = []
+    call = bench.rotating([lambda i=i: seen.append(i) for i in range(3)])
+    for _ in range(7):
+        call()
+    assert seen == [0, 1, 2, 0, 1, 2, 0]
+    mixtral = bench.SHAPES[0]
+    per_copy = bench.kv_bytes(mixtral, 1024)
+    assert bench.copies_for(mixtral, 1024, 10 * per_copy + 1) == 11
+    assert bench.copies_for(mixtral, 1024, 0) == 1
