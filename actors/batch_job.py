@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 from tqdm import tqdm
 
-from writescope.policies import POLICY_NAMES, policy_argument
+from writescope.config import EngineConfig
 from writescope.prompts import check_unicode
 from writescope.sampling import SEED_MAX, SEED_MIN, SamplingParams
 from writescope.service import QueueFullError
@@ -393,21 +393,12 @@ class LocalEngine:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m writescope.actors.batch_job",
                                      description="Run a JSONL batch of long-context prompts; resumable.")
-    parser.add_argument("--model", required=True, help="a checkpoint directory or a preset name (tiny-qwen3-moe, ...)")
     parser.add_argument("--input", required=True, help="JSONL: {id, prompt (text or token ids), max_new_tokens, "
                                                        "optional temperature, top_p, seed, stop} per line")
     parser.add_argument("--output", required=True, help="JSONL results, appended; ids already there are skipped")
-    parser.add_argument("--policy", default="writescope", type=policy_argument,
-                        help=f"KV placement policy: {', '.join(POLICY_NAMES)}, or share:R (R in [0, 1])")
     parser.add_argument("--executor", default="ray", choices=["ray", "local"],
                         help="ray: actors on the job's cluster (or an embedded local Ray); local: one process")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together")
-    parser.add_argument("--max-seq-len", type=int, default=32768, help="prompt + new tokens, at most")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="weights and KV dtype (default: the checkpoint's)")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU node")
-    parser.add_argument("--emulated-nodes", type=int, default=None,
-                        help="split this machine's CPUs into N emulated NUMA nodes (one CPU worker each)")
+    EngineConfig.add_arguments(parser)
     parser.add_argument("--max-in-flight", type=int, default=64, help="requests submitted and not yet finished")
     parser.add_argument("--max-retries", type=int, default=3,
                         help="times a request lost with the GPU worker is retried after Ray restarts it")
@@ -416,9 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check_args(parser, args) -> None:
-    for name in ("max_batch_size", "max_seq_len", "max_in_flight"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_in_flight < 1:
+        parser.error(f"--max-in-flight must be >= 1, got {args.max_in_flight}")
+    try:
+        EngineConfig.from_args(args)
+    except ValueError as error:
+        parser.error(str(error))
     if args.max_retries < 0:
         parser.error(f"--max-retries must be >= 0, got {args.max_retries}")
     if args.emulated_nodes is not None and not 1 <= args.emulated_nodes <= len(os.sched_getaffinity(0)):
@@ -439,17 +433,15 @@ def _open_output(parser, path: str) -> ResultOutput:
 def _open_engine(args):
     from writescope.engine import Engine
 
-    options = dict(policy=args.policy, dtype=args.dtype, max_batch_size=args.max_batch_size,
-                   max_seq_len=args.max_seq_len, device=args.device)
+    config = EngineConfig.from_args(args)
     if args.executor == "local":
-        return LocalEngine(Engine.from_pretrained(args.model, **options), args.max_in_flight)
+        return LocalEngine(Engine.from_config(config), args.max_in_flight)
     from writescope.actors.local_ray import ensure_ray
-    from writescope.topology import emulated_topology, topology
 
-    ensure_ray()  # inside `ray job submit`: the job's cluster; else an embedded local one
-    nodes = emulated_topology(args.emulated_nodes) if args.emulated_nodes else topology()
-    return Engine.from_pretrained(args.model, executor="ray", **options,
-                                  executor_options={"nodes": nodes, "max_waiting": args.max_in_flight})
+    ensure_ray()  # before Ray is imported: inside `ray job submit` the job's cluster; else an embedded local one
+    from writescope.actors.ray_engine import RayEngine
+
+    return RayEngine.from_pretrained(config=config, max_waiting=args.max_in_flight)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,6 @@ shard from its handle, and the channel's listening socket (the GPU worker reconn
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import ray
@@ -19,22 +18,15 @@ import ray
 from writescope.topology import NumaNode
 
 
-def _pin_all_threads(cpus) -> None:
-    for tid in os.listdir("/proc/self/task"):
-        with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that just exited
-            os.sched_setaffinity(int(tid), cpus)
-
-
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class CPUWorker:
     def __init__(self, node: NumaNode, shard_handle: bytes, channel):
         # Imported here, in the worker: Ray pickles this class by value, and its globals with it.
-        from writescope import _cpu
         from writescope.actors.channel import PartialServer
         from writescope.kv_regions import HostRegion
+        from writescope.topology import pin_process
 
-        _pin_all_threads(node.cpus)  # the threads Ray started before us; later ones inherit the mask
-        _cpu.set_num_threads(len(node.cpus), list(node.cpus))  # the kernel's pool, one worker per CPU
+        pin_process(node.cpus)  # the threads Ray started before us and the kernel's pool
         self.node = node
         self.region = HostRegion.attach(shard_handle)
         if not node.emulated:  # a real node: the shard's pages on its memory, before any KV is written

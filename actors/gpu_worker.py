@@ -22,6 +22,7 @@ import time
 
 import ray
 
+from writescope.config import EngineConfig
 from writescope.engine import GenerationOutput, SamplingParams, call_params, placement
 from writescope.service import EngineService
 
@@ -30,24 +31,20 @@ log = logging.getLogger(__name__)
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class GPUWorker:
-    def __init__(self, path_or_preset: str, options: dict, region_handles, channel_specs, scheduler,
-                 max_waiting: int = 64):
-        from writescope.actors.ray_engine import ChannelExecutor  # noqa: F401 - registers "channel"
+    def __init__(self, config: EngineConfig, region_handles, channel_specs, scheduler, max_waiting: int = 64):
+        """config: the driver's, its num_shards one per CPU worker (channel_specs); its policy a name."""
+        from writescope.actors.channel_executor import ChannelExecutor
         from writescope.actors.scheduler import RemotePolicy
         from writescope.engine import PROVISIONAL_MODEL, Engine
 
-        options = dict(options)
-        policy_name = options.pop("policy")
-        learns = policy_name == "writescope"
-        snapshot = ray.get(scheduler.configure.remote(policy_name, PROVISIONAL_MODEL if learns else None))
-        self.engine = Engine.from_pretrained(path_or_preset, executor="channel",
-                                             executor_options={"specs": channel_specs},
-                                             policy=RemotePolicy(scheduler, snapshot), region_handles=region_handles,
-                                             num_shards=len(channel_specs), **options)
+        learns = config.policy == "writescope"
+        snapshot = ray.get(scheduler.configure.remote(config.policy, PROVISIONAL_MODEL if learns else None))
+        self.engine = Engine.from_config(config.replace(policy=RemotePolicy(scheduler, snapshot)),
+                                         executor=ChannelExecutor(channel_specs), region_handles=region_handles)
         if learns:  # timed here, through the CPU workers' channels: the CPU partial as this engine pays it
             model_fit = self.engine.calibrate()
             self.engine.policy.reset(ray.get(scheduler.calibrated.remote(model_fit)))
-        if options.get("device", "cpu") == "cpu":
+        if config.device == "cpu":
             # Ray sets OMP_NUM_THREADS=1 for an actor of num_cpus=0. With no GPU the prefill's matmuls
             # run here on the CPU: on every CPU, while decode keeps one torch thread (more would
             # fight the CPU workers' kernel pools for the same cores).

@@ -1,4 +1,5 @@
-"""The engine on Ray: `Engine.from_pretrained(..., executor="ray")` returns a RayEngine.
+"""The engine on Ray: `RayEngine.from_pretrained(model, **EngineConfig fields)` (or its alias
+`Engine.from_pretrained(..., executor="ray")`) returns a RayEngine.
 
     region owner  (RegionOwner)        creates the shared-memory segments, removes them at shutdown
     scheduler     (WriteScopeScheduler) holds the policy (perf model, r*, online correction) for restarts
@@ -6,7 +7,8 @@
     CPU workers   (CPUWorker, 1/node)  pinned to their NUMA node, partials over their shard
 
 Ray places, starts, restarts and kills these actors. Inside a decode step the GPU worker exchanges
-each layer's q and partials with the CPU workers over shared-memory channels (ChannelExecutor), not
+each layer's q and partials with the CPU workers over shared-memory channels
+(writescope.actors.channel_executor), not
 through Ray calls: see writescope.actors.channel and the README for the measured reasons. The
 caller's RayEngine holds only handles and forwards generate / generate_stream.
 """
@@ -21,18 +23,17 @@ import time
 
 import ray
 
-from writescope import ops
-from writescope.actors.channel import ChannelSpec, PartialClient
+from writescope.actors.channel import ChannelSpec
 from writescope.actors.cpu_worker import CPUWorker
 from writescope.actors.gpu_worker import GPUWorker
+from writescope.actors.local_ray import ensure_ray
 from writescope.actors.region_owner import RegionOwner
 from writescope.actors.scheduler import WriteScopeScheduler
-from writescope.cpu_partial import CPUPartial, PendingPartial
+from writescope.config import EngineConfig
 from writescope.engine import SamplingParams, call_params, engine_cache_config, load_model_config, load_tokenizer
-from writescope.executor import LocalExecutor, register_executor
 from writescope.prompts import PromptEncoder
 from writescope.service import QueueFullError
-from writescope.topology import NumaNode, topology
+from writescope.topology import NumaNode, emulated_topology, topology
 
 log = logging.getLogger(__name__)
 
@@ -45,47 +46,6 @@ class WorkerLostError(RuntimeError):
         self.lost_requests = lost_requests
         super().__init__(f"the GPU worker died during generation; lost requests (prompt indices): {lost_requests}. "
                          f"It is being restarted and accepts new requests. Cause: {cause}")
-
-
-class ChannelCPUPartial(CPUPartial):
-    """The CPU side of the split computed by the CPU workers: one request per shard over its
-    channel, all sent before any is waited for, so the workers run in parallel."""
-
-    def __init__(self, specs: list[ChannelSpec], cache):
-        if cache.config.num_shards != len(specs):
-            raise ValueError(f"the cache has {cache.config.num_shards} cpu_compute shards for {len(specs)} "
-                             f"CPU workers: one shard per worker")
-        self.clients = [PartialClient(spec) for spec in specs]
-
-    def attend(self, layer: int, q, view, scale: float) -> PendingPartial:
-        for client, (table, lens) in zip(self.clients, view.compute, strict=True):
-            client.send(layer, q, table, lens, scale)
-        return PendingPartial(lambda: self._collect(view.compute_tokens))
-
-    def _collect(self, tokens: int) -> ops.Partial:
-        results = [client.receive() for client in self.clients]
-        out, lse = ops.merge([(out, lse) for out, lse, _ in results])
-        return ops.Partial(out, lse, tokens, max(seconds for _, _, seconds in results))
-
-    def close(self) -> None:
-        for client in self.clients:
-            client.close()
-
-
-class ChannelExecutor(LocalExecutor):
-    """Inside the GPU worker: the graph runs here, each layer's CPU partial on the CPU workers, which
-    compute while this thread runs the device partial (the request is sent, the answer collected at
-    the merge: no thread hand-off in this process)."""
-
-    name = "channel"
-
-    def __init__(self, specs: list[ChannelSpec]):
-        super().__init__(concurrent=False)
-        self.overlaps = True
-        self.specs = specs
-
-    def make_cpu_partial(self, cache) -> CPUPartial:
-        return ChannelCPUPartial(self.specs, cache)
 
 
 class RayEngine:
@@ -103,32 +63,36 @@ class RayEngine:
         self._segment_names = ray.get(owner.segment_names.remote())
 
     @classmethod
-    def from_pretrained(cls, path_or_preset: str, *, executor_options: dict, policy, device: str = "cpu",
-                        num_shards: int | None = None, **options) -> RayEngine:
-        if not ray.is_initialized():
-            raise ValueError("executor 'ray' needs a running Ray: call ray.init() (or connect to a cluster) first")
-        if not isinstance(policy, str):
+    def from_pretrained(cls, model: str | None = None, *, config: EngineConfig | None = None,
+                        nodes: list[NumaNode] | None = None, max_waiting: int = 64, **fields) -> RayEngine:
+        """The engine of `config` (model and any EngineConfig field as keywords replace its values)
+        on Ray: the cluster this driver already joined, the one of RAY_ADDRESS (inside `ray job
+        submit`), or else a new embedded local one, with token authentication. nodes: the NUMA nodes
+        to place one CPU worker on each (default: config.emulated_nodes emulated ones, else this
+        machine's). max_waiting: requests the GPU worker holds waiting for KV capacity."""
+        config = (config or EngineConfig()).replace(**({"model": model} if model is not None else {}), **fields)
+        if not isinstance(config.policy, str):
             raise ValueError("executor 'ray' takes the policy by name: the scheduler actor makes it")
-        unknown = set(executor_options) - {"nodes", "max_waiting"}
-        if unknown:
-            raise ValueError(f"unknown executor_options {sorted(unknown)}; executor 'ray' takes nodes, max_waiting")
-        nodes: list[NumaNode] = executor_options.get("nodes") or topology()
-        if num_shards not in (None, len(nodes)):
-            raise ValueError(f"num_shards={num_shards} for {len(nodes)} NUMA nodes: one shard per node")
-        gpus = 1 if device.startswith("cuda") else 0
+        ensure_ray()
+        if nodes is None:
+            nodes = emulated_topology(config.emulated_nodes) if config.emulated_nodes else topology()
+        if config.num_shards not in (None, len(nodes)):
+            raise ValueError(f"num_shards={config.num_shards} for {len(nodes)} NUMA nodes: one shard per node")
+        config = config.replace(num_shards=len(nodes))
+        gpus = 1 if config.device.startswith("cuda") else 0
         if gpus and ray.cluster_resources().get("GPU", 0) < 1:
-            raise ValueError(f"device={device!r} but the Ray cluster has no GPU: use device='cpu' or add a GPU node")
-        config, torch_dtype = load_model_config(path_or_preset, options.get("dtype"))
-        cache_config = engine_cache_config(config, torch_dtype, block_size=options["block_size"],
-                                           max_batch_size=options["max_batch_size"],
-                                           max_seq_len=options["max_seq_len"], num_shards=len(nodes),
-                                           window_tokens=options["window_tokens"],
-                                           pingpong_blocks=options["pingpong_blocks"], device=device)
+            raise ValueError(f"device={config.device!r} but the Ray cluster has no GPU: "
+                             f"use device='cpu' or add a GPU node")
+        model_config, torch_dtype = load_model_config(config.model, config.dtype)
+        cache_config = engine_cache_config(model_config, torch_dtype, block_size=config.block_size,
+                                           max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
+                                           num_shards=len(nodes), window_tokens=config.window_tokens,
+                                           pingpong_blocks=config.pingpong_blocks, device=config.device)
         engine_id = secrets.token_hex(4)
         fmt = cache_config.format
         specs = [ChannelSpec(shm_name="named by the owner", owner_pid=0, fd=-1,
                              socket_address=f"\0writescope-{engine_id}-cpu{i}", max_seqs=cache_config.max_seqs,
-                             max_blocks=cache_config.compute_blocks_per_shard, num_q_heads=config.num_q_heads,
+                             max_blocks=cache_config.compute_blocks_per_shard, num_q_heads=model_config.num_q_heads,
                              head_dim_qk=fmt.head_dim_k, head_dim_v=fmt.head_dim_v) for i in range(len(nodes))]
         named = f"writescope-{engine_id}"  # every actor of the engine is named for it (ray.util.list_named_actors)
         owner = RegionOwner.options(name=f"{named}-region-owner").remote(cache_config, specs, engine_id, gpus > 0)
@@ -142,14 +106,13 @@ class RayEngine:
             actors += [*cpu_workers, scheduler]
             ray.get([w.check_health.remote() for w in cpu_workers])
             gpu_worker = GPUWorker.options(name=f"{named}-gpu-worker", num_gpus=gpus, num_cpus=0).remote(
-                path_or_preset, {**options, "policy": policy, "device": device},
-                (compute_handles, transfer_handle), specs, scheduler, executor_options.get("max_waiting", 64))
+                config, (compute_handles, transfer_handle), specs, scheduler, max_waiting)
             actors.append(gpu_worker)
             ray.get(gpu_worker.check_health.remote())
         except BaseException:
             _stop(actors, owner)
             raise
-        prompts = PromptEncoder(load_tokenizer(path_or_preset), config.vocab_size, options["max_seq_len"])
+        prompts = PromptEncoder(load_tokenizer(config.model), model_config.vocab_size, config.max_seq_len)
         return cls(owner, scheduler, gpu_worker, cpu_workers, prompts, engine_id)
 
     # ------------------------------------------------------------------ generation
@@ -299,11 +262,3 @@ def _stop(actors, owner) -> None:
 
 def _num_prompts(prompts) -> int:
     return 1 if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else len(prompts)
-
-
-register_executor("channel", ChannelExecutor)
-def _engine_only(**_options):
-    raise ValueError("executor 'ray' is a whole engine on actors: use Engine.from_pretrained(..., executor='ray')")
-
-
-register_executor("ray", _engine_only, engine=RayEngine.from_pretrained)

@@ -54,7 +54,9 @@ class WriteScopeScheduler:
         return os.getpid()
 
     def check_health(self) -> bool:
-        return True
+        """A policy is held: the GPU worker configures one as it starts (False before, or after a
+        restart of this actor that no GPU worker has configured again)."""
+        return self.policy is not None
 
 
 # Decode steps between two publications of the GPU worker's policy to the scheduler: a call per

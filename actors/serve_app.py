@@ -47,6 +47,7 @@ from ray import serve
 from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from writescope.config import FIELD_NAMES, EngineConfig
 from writescope.engine import INTERNAL_ERROR, INVALID_REQUEST
 from writescope.prompts import check_unicode
 from writescope.sampling import SEED_MAX, SEED_MIN, SamplingParams
@@ -54,8 +55,9 @@ from writescope.service import QueueFullError
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-APP_ARGS = ("model", "policy", "max_batch_size", "max_seq_len", "max_queue", "api_key_env", "dtype", "device",
-            "emulated_nodes", "served_model_name", "max_body_bytes")  # OpenAIIngress's keyword arguments
+# OpenAIIngress's own keyword arguments; the rest of an app's args are EngineConfig's fields.
+INGRESS_ARGS = ("max_queue", "api_key_env", "served_model_name", "max_body_bytes")
+APP_ARGS = (*FIELD_NAMES, *INGRESS_ARGS)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 HEALTH_TIMEOUT_S = 2.0  # a GPU worker that Ray is restarting does not answer sooner (its calls wait)
 RETRY_AFTER_S = 5  # what a client is told to wait while the engine restarts
@@ -290,27 +292,24 @@ _EVENT_STATUS = {INVALID_REQUEST: 400, INTERNAL_ERROR: 500}  # anything else: th
 @serve.deployment(name="OpenAIIngress", max_ongoing_requests=256)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, model: str = "tiny-qwen3-moe", policy: str = "writescope", max_batch_size: int = 8,
-                 max_seq_len: int = 32768, max_queue: int = 64, api_key_env: str = "WRITESCOPE_API_KEY",
-                 dtype: str | None = None, device: str = "cpu", emulated_nodes: int | None = None,
-                 served_model_name: str | None = None, max_body_bytes: int | None = None):
-        from writescope.engine import Engine
-        from writescope.topology import emulated_topology, topology
+    def __init__(self, max_queue: int = 64, api_key_env: str = "WRITESCOPE_API_KEY",
+                 served_model_name: str | None = None, max_body_bytes: int | None = None, **engine_fields):
+        """engine_fields: EngineConfig's fields (model, policy, max_seq_len, hot_experts, ...), with
+        its defaults; the rest are the app's own."""
+        from writescope.actors.ray_engine import RayEngine
 
+        config = EngineConfig.from_mapping(engine_fields)
         api_key = os.environ.get(api_key_env) or None
         host = _http_host()
         if host not in LOOPBACK and api_key is None:
             raise ValueError(f"Serve listens on {host!r}, beyond loopback: set an API key in ${api_key_env} "
                              f"(clients send 'Authorization: Bearer KEY'), or bind 127.0.0.1")
-        max_body_bytes = default_max_body_bytes(max_seq_len) if max_body_bytes is None else max_body_bytes
+        max_body_bytes = default_max_body_bytes(config.max_seq_len) if max_body_bytes is None else max_body_bytes
         if max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
         app.state.gate = GateSettings(api_key, max_body_bytes)
-        self.model_name = served_model_name or os.path.basename(model.rstrip("/"))
-        nodes = emulated_topology(emulated_nodes) if emulated_nodes else topology()
-        self.engine = Engine.from_pretrained(model, policy=policy, executor="ray", max_batch_size=max_batch_size,
-                                             max_seq_len=max_seq_len, dtype=dtype, device=device,
-                                             executor_options={"nodes": nodes, "max_waiting": max_queue})
+        self.model_name = served_model_name or os.path.basename(config.model.rstrip("/"))
+        self.engine = RayEngine.from_pretrained(config=config, max_waiting=max_queue)
         self._metrics = _Metrics()
         self._poller = None
 
@@ -454,12 +453,13 @@ class OpenAIIngress:
 
 def build_app(args: dict) -> serve.Application:
     """The application builder (`import_path: writescope.actors.serve_app:build_app`); args are
-    OpenAIIngress's keyword arguments (model, policy, max_batch_size, max_seq_len, max_queue,
-    api_key_env, dtype, device, emulated_nodes, served_model_name, max_body_bytes)."""
-    allowed = set(APP_ARGS)
-    unknown = set(args) - allowed
+    EngineConfig's fields (model, policy, max_batch_size, max_seq_len, dtype, device, hot_experts,
+    emulated_nodes, ...) and the ingress's own (max_queue, api_key_env, served_model_name,
+    max_body_bytes). The engine's are checked here, before anything is deployed."""
+    unknown = set(args) - set(APP_ARGS)
     if unknown:
-        raise ValueError(f"unknown app args {sorted(unknown)}; allowed: {sorted(allowed)}")
-    integers = {"max_batch_size", "max_seq_len", "max_queue", "emulated_nodes", "max_body_bytes"}
-    typed = {k: int(v) if k in integers and v is not None else v for k, v in args.items()}
-    return OpenAIIngress.bind(**typed)
+        raise ValueError(f"unknown app args {sorted(unknown)}; allowed: {sorted(APP_ARGS)}")
+    engine_fields = EngineConfig.from_mapping({k: v for k, v in args.items() if k in FIELD_NAMES}).to_dict()
+    own = {k: int(v) if k in ("max_queue", "max_body_bytes") and v is not None else v
+           for k, v in args.items() if k in INGRESS_ARGS}
+    return OpenAIIngress.bind(**own, **engine_fields)

@@ -26,7 +26,8 @@ import torch
 
 from writescope import ops
 from writescope.block_allocator import CapacityError
-from writescope.executor import check_executor, engine_factory, make_executor
+from writescope.config import EngineConfig
+from writescope.executor import LocalExecutor
 from writescope.graph import DecodeGraph, build_decode_graph
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.models.checkpoint import load_config, load_weights
@@ -160,7 +161,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.prompts = PromptEncoder(tokenizer, self.config.vocab_size, max_seq_len)
-        self._graphs: dict[int, DecodeGraph] = {}
+        self.graph: DecodeGraph = build_decode_graph(self.config.num_layers)
         self._device_backend = "triton" if model.device.type == "cuda" else "cpu"
         self.stats = {"steps": 0, "decode_s": 0.0, "tokens": 0, "attention_s": 0.0}
         # torch's intra-op threads (None: leave torch's setting). On the CPU the C++ kernel's pool
@@ -172,64 +173,76 @@ class Engine:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pretrained(cls, path_or_preset: str, *, policy: str | Policy = "writescope", executor: str = "local",
-                        dtype=None, window_tokens: int = 256, max_batch_size: int = 8, max_seq_len: int = 4096,
-                        block_size: int = 16, device: str = "cpu", hot_experts: int | None = None,
-                        num_shards: int | None = None, pingpong_blocks: int | None = None, seed: int = 0,
-                        executor_options: dict | None = None, region_handles=None):
-        """A preset name (PRESETS) or a local Hugging Face checkpoint directory. policy: a name from
-        POLICY_NAMES or a Policy object. num_shards: cpu_compute shards (default: 1 for the local
-        executor, one per NUMA node for ray); executor_options go to the executor (ray: `nodes`, a list
-        of topology.NumaNode). executor="ray" returns a `writescope.actors.RayEngine` with this API,
-        whose GPU worker runs an Engine. region_handles: ([cpu_compute shard handle bytes],
+    def from_pretrained(cls, model: str | None = None, *, config: EngineConfig | None = None, executor: str = "local",
+                        executor_options: dict | None = None, region_handles=None, **fields):
+        """An engine for a preset name (PRESETS) or a local Hugging Face checkpoint directory.
+
+        config: an EngineConfig (default: EngineConfig()); model and any of its fields given as
+        keywords replace its values (`max_seq_len=8192`). executor "local" runs the engine in this
+        process; executor "ray" is an alias of `writescope.actors.RayEngine.from_pretrained` (the
+        engine's actors on the running Ray cluster, or an embedded local one), with executor_options
+        its keywords (`nodes`, `max_waiting`). region_handles: ([cpu_compute shard handle bytes],
         cpu_transfer handle bytes) of regions created elsewhere, attached instead of created."""
-        executor_options = dict(executor_options or {})
-        check_policy(policy)
-        check_executor(executor)  # before anything is allocated
-        options = dict(policy=policy, dtype=dtype, window_tokens=window_tokens, max_batch_size=max_batch_size,
-                       max_seq_len=max_seq_len, block_size=block_size, device=device, hot_experts=hot_experts,
-                       num_shards=num_shards, pingpong_blocks=pingpong_blocks, seed=seed)
-        if engine_factory(executor) is not None:
-            return engine_factory(executor)(path_or_preset, executor_options=executor_options, **options)
-        config, weights, tokenizer, torch_dtype = load_model(path_or_preset, dtype, seed)
-        weights = {name: w.to(device) for name, w in weights.items()}
-        model = MoEModel(config, weights, device=device, hot_experts=hot_experts)
-        return cls.from_model(model, tokenizer, torch_dtype, policy=policy, executor=executor,
-                              window_tokens=window_tokens, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                              block_size=block_size, num_shards=num_shards, pingpong_blocks=pingpong_blocks,
-                              executor_options=executor_options, region_handles=region_handles)
+        config = (config or EngineConfig()).replace(**({"model": model} if model is not None else {}), **fields)
+        if executor == "ray":
+            if region_handles is not None:
+                raise ValueError("region_handles are for an in-process engine; executor 'ray' creates its own")
+            return _ray_engine(config, executor_options or {})
+        if executor != "local":
+            raise ValueError(f"unknown executor {executor!r}; known: {', '.join(EXECUTORS)}")
+        options = dict(executor_options or {})
+        unknown = set(options) - {"concurrent"}
+        if unknown:
+            raise ValueError(f"unknown executor_options {sorted(unknown)}; executor 'local' takes concurrent")
+        return cls.from_config(config, region_handles=region_handles, **options)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, executor=None, concurrent: bool | None = None,
+                    region_handles=None):
+        """The in-process engine of a config: the weights loaded onto config.device, then from_model.
+        executor: an executor object (the GPU worker's channel executor, say); default a
+        LocalExecutor, concurrent when the device is not the CPU (the two sides then run at once)."""
+        model_config, weights, tokenizer, torch_dtype = load_model(config.model, config.dtype, config.weights_seed)
+        weights = {name: w.to(config.device) for name, w in weights.items()}
+        model = MoEModel(model_config, weights, device=config.device, hot_experts=config.hot_experts)
+        if executor is None:
+            executor = LocalExecutor(concurrent=model.device.type != "cpu" if concurrent is None else concurrent)
+        return cls.from_model(model, tokenizer, torch_dtype, policy=config.policy, executor=executor,
+                              window_tokens=config.window_tokens, max_batch_size=config.max_batch_size,
+                              max_seq_len=config.max_seq_len, block_size=config.block_size,
+                              num_shards=config.num_shards, pingpong_blocks=config.pingpong_blocks,
+                              region_handles=region_handles)
 
     @classmethod
     def from_model(cls, model: MoEModel, tokenizer, kv_dtype: torch.dtype, *, policy: str | Policy = "writescope",
-                   executor: str = "local", window_tokens: int = 256, max_batch_size: int = 8,
-                   max_seq_len: int = 4096, block_size: int = 16, num_shards: int | None = None,
-                   pingpong_blocks: int | None = None, executor_options: dict | None = None, region_handles=None):
+                   executor=None, window_tokens: int = EngineConfig.window_tokens,
+                   max_batch_size: int = EngineConfig.max_batch_size, max_seq_len: int = EngineConfig.max_seq_len,
+                   block_size: int = EngineConfig.block_size, num_shards: int | None = None,
+                   pingpong_blocks: int | None = None, region_handles=None):
         """An engine around a model already built (on its device): a new cache, executor and policy,
-        so that several engines can share one model's weights (a sweep over policies, say). The
-        options are from_pretrained's; executor is one that runs in this process."""
-        executor_options = dict(executor_options or {})
+        so that several engines can share one model's weights (a sweep over policies, say).
+        executor: an executor object, default a LocalExecutor (concurrent beside a GPU)."""
         check_policy(policy)
         device = str(model.device)
         cache_config = engine_cache_config(model.config, kv_dtype, block_size=block_size,
                                            max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                                            num_shards=num_shards or 1, window_tokens=window_tokens,
                                            pingpong_blocks=pingpong_blocks, device=device)
-        if executor == "local":  # a GPU beside the CPU: the two sides of the split run at once
-            executor_options.setdefault("concurrent", model.device.type != "cpu")
-        executor_obj = make_executor(executor, **executor_options)
+        if executor is None:
+            executor = LocalExecutor(concurrent=model.device.type != "cpu")
         calibrate = policy == "writescope"
         if not isinstance(policy, Policy):  # writescope: a provisional model until calibrate() below
             policy = make_policy(policy, PROVISIONAL_MODEL if calibrate else None)
         cache = InplaceKVCache(cache_config, policy, region_handles=region_handles)
         try:
-            engine = cls(model, tokenizer, policy=policy, cache=cache, executor=executor_obj,
+            engine = cls(model, tokenizer, policy=policy, cache=cache, executor=executor,
                          max_batch_size=max_batch_size, max_seq_len=max_seq_len)
             if calibrate:
                 policy.estimator.reset_to(engine.calibrate())
             return engine
         except BaseException:  # the executor's CPU partial could not be made (a CPU worker's channel, say)
             cache.close()  # the shared-memory regions must not outlive a failed construction
-            executor_obj.shutdown()
+            executor.shutdown()
             raise
 
     def calibrate(self, *, force: bool = False, lengths: tuple[int, ...] | None = None) -> PerfModel:
@@ -446,10 +459,8 @@ class Engine:
         positions = torch.tensor([self.cache.seqs[s].num_tokens for s in seq_ids], device=device)
         step = _Step(running, seq_ids, torch.tensor([r.tokens[-1] for r in running], device=device),
                      self.model.rope(positions), view)
-        if len(running) not in self._graphs:
-            self._graphs[len(running)] = build_decode_graph(self.config.num_layers, len(running))
         with _torch_threads(self.decode_threads):
-            values = self.executor.run(self._graphs[len(running)], self._bindings(), step)
+            values = self.executor.run(self.graph, self._bindings(), step)
         tokens = self._sample(running, values["logits"])  # the host reads the logits: the device work is done
         self._account(step, time.perf_counter() - began)
         return tokens
@@ -589,6 +600,20 @@ def placement(engine: Engine) -> dict:
         placed["gpu_window"] += state.window_len
     spilled = placed["cpu_compute"] + placed["cpu_transfer"]
     return {"placed_tokens": placed, "spilled_tokens": spilled, "cpu_share_spilled": cache.wanted_share()}
+
+
+EXECUTORS = ("local", "ray")
+
+
+def _ray_engine(config: EngineConfig, options: dict):
+    """executor="ray": the one place core reaches into writescope.actors, lazily, so that core imports
+    no Ray unless asked. Ray is found or started (ensure_ray) before anything imports it."""
+    from writescope.actors.local_ray import ensure_ray
+
+    ensure_ray()
+    from writescope.actors.ray_engine import RayEngine
+
+    return RayEngine.from_pretrained(config=config, **options)
 
 
 def load_model(path_or_preset: str, dtype=None, seed: int = 0):

@@ -33,7 +33,6 @@ class Node:
 
 @dataclass(frozen=True)
 class DecodeGraph:
-    batch_size: int
     num_layers: int
     nodes: tuple[Node, ...]  # in a topological order
 
@@ -47,9 +46,10 @@ class DecodeGraph:
         return [n for n in self.nodes if n.layer == layer]
 
 
-def build_decode_graph(num_layers: int, batch_size: int) -> DecodeGraph:
-    if num_layers < 1 or batch_size < 1:
-        raise ValueError(f"num_layers and batch_size must be >= 1, got {num_layers}, {batch_size}")
+def build_decode_graph(num_layers: int) -> DecodeGraph:
+    """The same for every batch size: the batch lives in the step's tensors, not in the graph."""
+    if num_layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {num_layers}")
     nodes = [Node("embed", "embed", None, "device", ()), Node("L0.transfer", "transfer", 0, "device", ("embed",))]
     hidden = "embed"
     for layer in range(num_layers):
@@ -71,4 +71,4 @@ def build_decode_graph(num_layers: int, batch_size: int) -> DecodeGraph:
         hidden = p + "ffn"
     nodes += [Node("logits", "logits", None, "device", (hidden,)),
               Node("commit", "commit", None, "device", ("logits",))]
-    return DecodeGraph(batch_size, num_layers, tuple(nodes))
+    return DecodeGraph(num_layers, tuple(nodes))

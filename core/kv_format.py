@@ -84,11 +84,6 @@ class KVFormat:
     def token_bytes_per_layer(self) -> int:
         return self.num_kv_heads * sum(self.stored_dims) * self.itemsize
 
-    @property
-    def block_bytes(self) -> int:
-        """One block of every layer: what a region gives per allocated block id."""
-        return self.token_bytes_per_layer * self.block_size * self.num_layers
-
     def shape(self, kind: str, count: int, head_dim: int, *, window_tokens: int = 0,
               array: str = "k") -> tuple[int, ...]:
         """Shape of one stored array (array "k" or "v") of a region; count is blocks, or seqs for the window."""

@@ -60,3 +60,16 @@ def topology() -> list[NumaNode]:
     if not value.isdigit():
         raise ValueError(f"{env.NUMA_NODES.name} must be a positive integer, got {value!r}")
     return emulated_topology(int(value))
+
+
+def pin_process(cpus) -> None:
+    """Every thread of this process (those already started: later ones inherit the mask) and the C++
+    kernel's pool (one worker per CPU) onto `cpus`: a CPU worker's or an experiment's node."""
+    import contextlib
+
+    from writescope import _cpu
+
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that just exited
+            os.sched_setaffinity(int(tid), cpus)
+    _cpu.set_num_threads(len(cpus), list(cpus))

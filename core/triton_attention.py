@@ -38,7 +38,7 @@ def _decode_split_kernel(
     K_MAIN: tl.constexpr, BLOCK_K_MAIN: tl.constexpr,
     K_TAIL: tl.constexpr, BLOCK_K_TAIL: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-    V_IS_K_PREFIX: tl.constexpr, DOT_FP32: tl.constexpr,
+    V_IN_K: tl.constexpr, DOT_FP32: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_TOKENS: tl.constexpr,
 ):
     # q [num_seqs, num_q_heads, K_MAIN + K_TAIL]; k/v [num_blocks, num_kv_heads, block_size, dim]
@@ -92,7 +92,7 @@ def _decode_split_kernel(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if V_IS_K_PREFIX:
+        if V_IN_K:
             v = k_main  # MLA: V is the latent already loaded for QK
         else:
             v_rows = v_ptr + physical * stride_v_block + kv_head * stride_v_head + in_block * stride_v_token
@@ -144,7 +144,7 @@ def _pow2(n: int, minimum: int = 16) -> int:
     return max(minimum, triton.next_power_of_2(max(n, 1)))
 
 
-def _v_is_k_prefix(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def _v_in_k(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """MLA: V is the first head_dim_v dims of K (same storage and strides)."""
     return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.stride() == k_cache.stride()
             and v_cache.shape[-1] <= k_cache.shape[-1])
@@ -155,8 +155,8 @@ def _launch_splits(q, k_cache, v_cache, block_table, seq_lens, mid_out, mid_lse,
     _, num_kv_heads, block_size, _ = k_cache.shape
     head_dim_v = v_cache.shape[-1]
     group = num_q_heads // num_kv_heads
-    latent = _v_is_k_prefix(k_cache, v_cache)
-    k_main = head_dim_v if latent else head_dim_qk
+    v_in_k = _v_in_k(k_cache, v_cache)
+    k_main = head_dim_v if v_in_k else head_dim_qk
     k_tail = head_dim_qk - k_main
     num_splits = _num_splits(block_table, block_size)
     if num_splits == 0:
@@ -174,7 +174,7 @@ def _launch_splits(q, k_cache, v_cache, block_table, seq_lens, mid_out, mid_lse,
         K_MAIN=k_main, BLOCK_K_MAIN=_pow2(k_main),
         K_TAIL=k_tail, BLOCK_K_TAIL=_pow2(k_tail),
         HEAD_DIM_V=head_dim_v, BLOCK_DV=_pow2(head_dim_v),
-        V_IS_K_PREFIX=latent, DOT_FP32=INTERPRETED or k_cache.dtype == torch.float32,
+        V_IN_K=v_in_k, DOT_FP32=INTERPRETED or k_cache.dtype == torch.float32,
         SPLIT=SPLIT_TOKENS, BLOCK_TOKENS=BLOCK_N,
     )
 

@@ -54,19 +54,19 @@ class Shape:
     num_kv_heads: int
     head_dim_qk: int
     head_dim_v: int
-    v_is_latent: bool = False  # MLA: V is the first head_dim_v dims of K, read once
+    v_in_k: bool = False  # MLA: V is the first head_dim_v dims of K, read once
 
 
 SHAPES = (
     Shape("mixtral", 32, 8, 128, 128),
     Shape("qwen3-moe", 32, 4, 128, 128),
     Shape("mha", 32, 32, 128, 128),
-    Shape("deepseek-v2-lite-mla", 16, 1, 576, 512, v_is_latent=True),
+    Shape("deepseek-v2-lite-mla", 16, 1, 576, 512, v_in_k=True),
 )
 
 
 def kv_bytes(shape: Shape, seq_len: int) -> int:
-    per_token = shape.head_dim_qk if shape.v_is_latent else shape.head_dim_qk + shape.head_dim_v
+    per_token = shape.head_dim_qk if shape.v_in_k else shape.head_dim_qk + shape.head_dim_v
     return shape.num_kv_heads * seq_len * per_token * 2
 
 
@@ -77,7 +77,7 @@ def flops(shape: Shape, seq_len: int) -> int:
 def make_inputs(shape: Shape, seq_len: int):
     q = torch.randn(shape.num_q_heads, shape.head_dim_qk, dtype=torch.bfloat16)
     k = torch.randn(shape.num_kv_heads, seq_len, shape.head_dim_qk).to(torch.bfloat16)
-    v = k[..., : shape.head_dim_v] if shape.v_is_latent else torch.randn(
+    v = k[..., : shape.head_dim_v] if shape.v_in_k else torch.randn(
         shape.num_kv_heads, seq_len, shape.head_dim_v).to(torch.bfloat16)
     return q, k, v
 
@@ -98,12 +98,12 @@ def cache_source(shape: Shape, k, v, generator: torch.Generator, run_blocks: int
 
     def stored(array, name):
         blocks = array.unflatten(1, (num_blocks, BLOCK_SIZE))[:, order]  # [kv, physical, bs, dim]
-        if not shape.v_is_latent:
+        if not shape.v_in_k:
             blocks = to_paired(name, blocks)
         return blocks.contiguous().transpose(0, 1)
 
     k_cache = stored(k, "k")
-    v_cache = k_cache[..., : shape.head_dim_v] if shape.v_is_latent else stored(v, "v")
+    v_cache = k_cache[..., : shape.head_dim_v] if shape.v_in_k else stored(v, "v")
     return ops.KVSource(k_cache, v_cache, inverse.to(torch.int32)[None], torch.tensor([k.shape[1]], dtype=torch.int32))
 
 
@@ -136,7 +136,7 @@ def kv_copies(shape: Shape, k, v, num_copies: int, dtype=torch.bfloat16):
     copies = []
     for _ in range(num_copies):
         k_copy = k.to(dtype, copy=True)
-        v_copy = k_copy[..., : shape.head_dim_v] if shape.v_is_latent else v.to(dtype, copy=True)
+        v_copy = k_copy[..., : shape.head_dim_v] if shape.v_in_k else v.to(dtype, copy=True)
         copies.append((k_copy, v_copy))
     return copies
 
@@ -149,7 +149,7 @@ def measure_peers(shape, q, k, v, scale, num_copies, warmup, repeats):
         dtype = torch.float32 if name.endswith("fp32") else torch.bfloat16
         q_in = q.to(dtype)
         copies = kv_copies(shape, k, v, num_copies, dtype)
-        call = rotating([lambda kc=kc, vc=vc: peer(q_in, kc, vc, scale) for kc, vc in copies])
+        call = rotating([lambda kc=kc, vc=vc, peer=peer, q_in=q_in: peer(q_in, kc, vc, scale) for kc, vc in copies])
         times[name] = median_time_s(call, repeats, warmup)
         del copies, call  # one peer's copies at a time
     return times
@@ -191,7 +191,7 @@ def check_against_reference(q, source, k, v, scale):
 
 def instructions(shape: Shape) -> tuple[str, str]:
     """The multiply-add instructions of QK and PV the kernel uses for this shape here (tile, dot, fma)."""
-    layout = "token_major" if shape.v_is_latent else "paired"
+    layout = "token_major" if shape.v_in_k else "paired"
     group = shape.num_q_heads // shape.num_kv_heads
     return tuple(_cpu.multiply_add_instructions(layout, group, shape.head_dim_qk, shape.head_dim_v, BLOCK_SIZE))
 

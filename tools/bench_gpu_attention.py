@@ -79,7 +79,7 @@ def host_to_device_gbps(pinned, num_bytes, repeats):
     return num_bytes / (ms * 1e-3) / 1e9
 
 
-def paged_copy(k, v, v_is_latent, block_size):
+def paged_copy(k, v, v_in_k, block_size):
     """k [num_kv_heads, seq_len, head_dim_qk], v [..., head_dim_v] -> a KVSource of the same tokens in
     blocks of block_size placed in a shuffled order, as the engine's window and ping-pong hold them."""
     from writescope import ops
@@ -93,7 +93,7 @@ def paged_copy(k, v, v_is_latent, block_size):
         tiles = padded.view(num_kv_heads, num_blocks, block_size, -1).transpose(0, 1)
         return torch.empty_like(tiles).index_copy_(0, order.to(x.device), tiles.contiguous())
     k_cache = blocked(k)
-    v_cache = k_cache[..., : v.shape[-1]] if v_is_latent else blocked(v)
+    v_cache = k_cache[..., : v.shape[-1]] if v_in_k else blocked(v)
     table = order.to(torch.int32)[None].to(k.device)
     lens = torch.tensor([seq_len], dtype=torch.int32, device=k.device)
     return ops.KVSource(k_cache, v_cache, table, lens)
@@ -104,9 +104,9 @@ def bench_row(shape, seq_len, device, copy_bw, args):
 
     q = torch.randn(1, shape.num_q_heads, shape.head_dim_qk, device=device).bfloat16()
     k = torch.randn(shape.num_kv_heads, seq_len, shape.head_dim_qk, device=device).bfloat16()
-    v = k[..., : shape.head_dim_v] if shape.v_is_latent else torch.randn(
+    v = k[..., : shape.head_dim_v] if shape.v_in_k else torch.randn(
         shape.num_kv_heads, seq_len, shape.head_dim_v, device=device).bfloat16()
-    source = paged_copy(k, v, shape.v_is_latent, args.block_size)  # what the engine reads: shuffled blocks
+    source = paged_copy(k, v, shape.v_in_k, args.block_size)  # what the engine reads: shuffled blocks
     scale = shape.head_dim_qk**-0.5
     ours, _ = triton_attention.paged_attention(q, [source], scale)  # checked before it is timed
     expected = torch.nn.functional.scaled_dot_product_attention(q[:, :, None], k[None], v[None], scale=scale,

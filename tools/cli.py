@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 
-from writescope.policies import POLICY_NAMES, policy_argument
+from writescope.config import EngineConfig
 
 BENCHES = {"cpu": "writescope.tools.bench_cpu_attention", "gpu": "writescope.tools.bench_gpu_attention",
            "e2e": "writescope.tools.bench_e2e", "orchestration": "writescope.tools.bench_orchestration",
@@ -33,24 +33,13 @@ DELEGATED = {"simulate": "writescope.tools.simulate_policies", "numa-scaling": "
              "batch": "writescope.actors.batch_job", "demo": "writescope.tools.demo"}
 
 
-def _engine_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny-qwen3-moe", help="a checkpoint directory or a preset name")
-    parser.add_argument("--policy", default="writescope", type=policy_argument,
-                        help=f"KV placement policy: {', '.join(POLICY_NAMES)}, or share:R (R in [0, 1])")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                        help="weights and KV dtype (default: the checkpoint's)")
-    parser.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU machine")
-    parser.add_argument("--max-batch-size", type=int, default=8, help="sequences decoded together")
-    parser.add_argument("--max-seq-len", type=int, default=32768, help="prompt + new tokens, at most")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="writescope", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     generate = commands.add_parser("generate", help="generate from one prompt, printing tokens as they come")
-    _engine_flags(generate)
+    EngineConfig.add_arguments(generate)
     generate.add_argument("--prompt", required=True, help="prompt text, or @FILE to read it from a file")
     generate.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate")
     generate.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -60,17 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
                           help="local: this process; ray: the engine's actors on an embedded local Ray")
 
     calibrate = commands.add_parser("calibrate", help="measure A, B and the fixed costs of this machine (cached)")
-    calibrate.add_argument("--model", default="tiny-qwen3-moe", help="a checkpoint directory or a preset name")
-    calibrate.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="KV dtype")
-    calibrate.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    calibrate.add_argument("--device", default="cpu", help="cpu, or cuda (the device path then runs on the GPU)")
-    calibrate.add_argument("--batch", type=int, default=4, help="sequences per step (the engine's max_batch_size)")
-    calibrate.add_argument("--max-seq-len", type=int, default=32768, help="the engine's max_seq_len")
-    calibrate.add_argument("--window-tokens", type=int, default=256, help="the engine's GPU window, in tokens")
+    EngineConfig.add_arguments(calibrate, exclude=("policy",))  # calibration times the engine's own sides
     calibrate.add_argument("--force", action="store_true", help="measure again even if cached")
 
     serve_cmd = commands.add_parser("serve", help="run the OpenAI-compatible Serve app until Ctrl-C")
-    _engine_flags(serve_cmd)
+    EngineConfig.add_arguments(serve_cmd)
     serve_cmd.add_argument("--host", default="127.0.0.1", help="HTTP host (beyond loopback needs an API key)")
     serve_cmd.add_argument("--port", type=int, default=8000, help="HTTP port")
     serve_cmd.add_argument("--max-queue", type=int, default=64, help="requests waiting for KV capacity before 429")
@@ -120,12 +103,8 @@ def _generate(args) -> int:
     if prompt.startswith("@"):
         with open(prompt[1:]) as f:
             prompt = f.read()
-    if args.executor == "ray":
-        from writescope.actors.local_ray import start_local_ray
-
-        start_local_ray()
-    engine = Engine.from_pretrained(args.model, policy=args.policy, executor=args.executor, dtype=args.dtype,
-                                    device=args.device, max_batch_size=1, max_seq_len=args.max_seq_len)
+    # executor ray: the running cluster of RAY_ADDRESS, or an embedded local one (Engine.from_pretrained finds it)
+    engine = Engine.from_pretrained(config=EngineConfig.from_args(args, max_batch_size=1), executor=args.executor)
     try:
         for event in engine.generate_stream(prompt, max_new_tokens=args.max_new_tokens,
                                             temperature=args.temperature, top_p=args.top_p, seed=args.seed):
@@ -140,14 +119,13 @@ def _generate(args) -> int:
 def _calibrate(args) -> int:
     from writescope.engine import Engine
 
-    engine = Engine.from_pretrained(args.model, policy="all_cpu", dtype=args.dtype, block_size=args.block_size,
-                                    max_batch_size=args.batch, max_seq_len=args.max_seq_len,
-                                    window_tokens=args.window_tokens, device=args.device)
+    config = EngineConfig.from_args(args, policy="all_cpu")  # any fixed policy: calibrate() times both sides
+    engine = Engine.from_config(config)
     try:
         model = engine.calibrate(force=args.force)
     finally:
         engine.shutdown()
-    print(json.dumps({"model": args.model, "device": args.device, "batch": args.batch, **vars(model),
+    print(json.dumps({"model": args.model, "device": args.device, "batch": args.max_batch_size, **vars(model),
                       "r_star_at_32k": model.optimal_share(32768)}, indent=2))
     return 0
 
@@ -167,10 +145,9 @@ def _serve(args) -> int:
     from writescope.actors.serve_app import build_app
 
     serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app({"model": args.model, "policy": args.policy, "max_batch_size": args.max_batch_size,
-                         "max_seq_len": args.max_seq_len, "max_queue": args.max_queue, "dtype": args.dtype,
-                         "device": args.device, "api_key_env": args.api_key_env,
-                         "max_body_bytes": args.max_body_bytes}), name="writescope", route_prefix="/")
+    app_args = {**EngineConfig.from_args(args).to_dict(), "max_queue": args.max_queue,
+                "api_key_env": args.api_key_env, "max_body_bytes": args.max_body_bytes}
+    serve.run(build_app(app_args), name="writescope", route_prefix="/")
     logging.getLogger("writescope.serve").info("serving on http://%s:%d/v1 (Ctrl-C stops)", args.host, args.port)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))

@@ -23,16 +23,14 @@ from writescope.engine import Engine, placement
 from writescope.models.presets import PRESETS
 from writescope.policies import POLICY_NAMES, policy_argument
 from writescope.tools.results import write_json
-from writescope.topology import emulated_topology
 
 log = logging.getLogger("demo")
 
 
 def run_policy(args, policy: str, prompts) -> dict:
-    options = {"executor_options": {"nodes": emulated_topology(args.emulated_nodes)}} if args.emulated_nodes else {}
     engine = Engine.from_pretrained(args.preset, policy=policy, dtype=args.dtype, max_batch_size=args.batch,
                                     max_seq_len=args.context + args.new_tokens, window_tokens=args.window,
-                                    executor=args.executor, **options)
+                                    emulated_nodes=args.emulated_nodes, executor=args.executor)
     try:
         started = time.perf_counter()
         shares, placed, first_token_s = [], {}, None

@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from writescope.topology import NumaNode, emulated_topology, read_topology
+from writescope.topology import NumaNode, emulated_topology, pin_process, read_topology
 
 log = logging.getLogger(__name__)
 
@@ -131,10 +131,7 @@ class AttentionWorker:
         from writescope import _cpu
         from writescope.tools.bench_cpu_attention import SHAPES, make_inputs
 
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(ProcessLookupError, PermissionError):  # a thread that just exited
-                os.sched_setaffinity(int(tid), node.cpus)
-        _cpu.set_num_threads(len(node.cpus), list(node.cpus))
+        pin_process(node.cpus)
         torch.set_num_threads(len(node.cpus))
         if self.inputs is None:
             torch.manual_seed(self.seed)

@@ -14,7 +14,6 @@ PYBIND11_MODULE(_cpu, m) {
   m.doc() = "WriteScope CPU attention kernels (C++, runtime ISA dispatch, persistent thread pool).";
   init_runtime_from_env();
   m.attr("__cpu_variant__") = runtime().kernels->name;
-  m.attr("TILE_TOKENS") = kTileTokens;
   m.attr("DEFAULT_CHUNK_TOKENS") = 512;
 
   m.def("paged_attention", &paged_attention, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),

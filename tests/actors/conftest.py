@@ -6,10 +6,11 @@ import pytest
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """One real local Ray for the whole test session (token auth on, no dashboard)."""
-    ray = pytest.importorskip("ray")
     from writescope.actors.local_ray import start_local_ray
 
     os.environ.setdefault("WRITESCOPE_CACHE_DIR", str(tmp_path_factory.mktemp("calibration")))
     start_local_ray(num_cpus=2)
     yield
+    import ray
+
     ray.shutdown()

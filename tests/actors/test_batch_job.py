@@ -17,9 +17,7 @@ import time
 
 import pytest
 
-pytest.importorskip("ray")
-
-from writescope.actors.batch_job import main as batch_main  # noqa: E402
+from writescope.actors.batch_job import main as batch_main
 
 pytestmark = pytest.mark.ray
 BIN = os.path.dirname(sys.executable)
@@ -242,7 +240,7 @@ def test_bad_arguments_are_refused_with_what_is_allowed(tmp_path, capsys):
     with pytest.raises(SystemExit):
         batch_main(["--model", "tiny-mixtral", "--input", str(tmp_path / "in.jsonl"), "--output", "o",
                     "--max-batch-size", "0"])
-    assert "--max-batch-size must be >= 1" in capsys.readouterr().err
+    assert "max_batch_size must be an integer >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         batch_main(["--model", "tiny-mixtral", "--input", str(tmp_path / "missing.jsonl"), "--output", "o"])
     assert "is not a file" in capsys.readouterr().err

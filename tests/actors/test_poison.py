@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-ray = pytest.importorskip("ray")
 requests = pytest.importorskip("requests")
 
 from ray import serve  # noqa: E402

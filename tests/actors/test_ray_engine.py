@@ -11,12 +11,11 @@ import sys
 import time
 
 import pytest
-
-ray = pytest.importorskip("ray")
+import ray
 
 from tests.processes import abstract_sockets, processes_mapping  # noqa: E402
 from writescope.actors.local_ray import start_local_ray  # noqa: E402
-from writescope.actors.ray_engine import WorkerLostError  # noqa: E402
+from writescope.actors.ray_engine import RayEngine, WorkerLostError  # noqa: E402
 from writescope.actors.scheduler import SYNC_STEPS  # noqa: E402
 from writescope.engine import Engine  # noqa: E402
 from writescope.models.presets import TINY_PRESETS  # noqa: E402
@@ -37,8 +36,7 @@ def local_tokens(preset, policy):
 
 
 def ray_engine(preset, policy, num_nodes):
-    return Engine.from_pretrained(preset, policy=policy, executor="ray",
-                                  executor_options={"nodes": emulated_topology(num_nodes)}, **OPTIONS)
+    return RayEngine.from_pretrained(preset, policy=policy, emulated_nodes=num_nodes, **OPTIONS)
 
 
 @pytest.mark.parametrize("num_nodes", [1, 2])
@@ -180,12 +178,24 @@ def test_a_local_ray_without_token_authentication_is_refused(monkeypatch):
         start_local_ray(num_cpus=1)
 
 
-def test_ray_executor_needs_a_running_ray():
-    code = ("from writescope.engine import Engine\n"
-            "try:\n    Engine.from_pretrained('tiny-mixtral', executor='ray')\n"
-            "except ValueError as e:\n    print(e)")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "needs a running Ray" in result.stdout, result.stderr
+def test_without_a_running_ray_an_embedded_one_is_started(tmp_path):
+    """As vLLM does it: no ray.init(), no RAY_ADDRESS, so `from writescope import Engine` with
+    executor="ray" starts a local cluster, with token authentication on and its node on loopback,
+    and decodes on it."""
+    code = ("import os, sys\n"
+            "from writescope import Engine\n"
+            "engine = Engine.from_pretrained('tiny-mixtral', executor='ray', policy='all_cpu', window_tokens=16,\n"
+            "                                block_size=4, max_batch_size=1, max_seq_len=128)\n"
+            "import ray\n"
+            "out = engine.generate('hello', max_new_tokens=3)[0]\n"
+            "print(len(out.token_ids), os.environ['RAY_AUTH_MODE'], ray.util.get_node_ip_address())\n"
+            "engine.shutdown()\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    env["WRITESCOPE_CACHE_DIR"] = str(tmp_path)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokens, auth_mode, node_ip = result.stdout.split()[-3:]
+    assert (tokens, auth_mode) == ("3", "token") and node_ip.startswith("127."), result.stdout
 
 
 def test_a_caller_that_stops_early_frees_its_requests(ray_cluster):

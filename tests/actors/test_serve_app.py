@@ -9,8 +9,8 @@ import threading
 import time
 
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
 requests = pytest.importorskip("requests")
 
 from ray import serve  # noqa: E402

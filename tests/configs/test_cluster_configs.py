@@ -157,7 +157,7 @@ def test_serve_yaml_validates_with_serve_deploy_schema(monkeypatch):
     assert (app.name, app.route_prefix, app.import_path) == ("writescope", "/", "writescope.actors.serve_app:build_app")
     assert app.args == {
         "model": "tiny-qwen3-moe", "policy": "writescope", "max_batch_size": 8, "max_seq_len": 32768,
-        "max_queue": 64, "api_key_env": "WRITESCOPE_API_KEY",
+        "dtype": "bfloat16", "max_queue": 64, "api_key_env": "WRITESCOPE_API_KEY",
     }
     (deployment,) = app.deployments
     assert (deployment.name, deployment.num_replicas, deployment.max_ongoing_requests) == ("OpenAIIngress", 1, 256)

@@ -240,7 +240,7 @@ def test_broken_checkpoints_get_clear_errors(saved_mixtral, tmp_path):
 
 
 def test_decode_graph_is_inspectable():
-    graph = build_decode_graph(num_layers=3, batch_size=4)
+    graph = build_decode_graph(num_layers=3)
     names = [n.name for n in graph.nodes]
     assert names[0] == "embed" and names[-2:] == ["logits", "commit"]
     for layer in range(3):

@@ -1,0 +1,119 @@
+"""EngineConfig: one default per field, the same fields in the CLI, the batch job and the Serve app,
+and bad values refused with the field's name."""
+
+import dataclasses
+import os
+
+import pytest
+import yaml
+
+from writescope.config import FIELD_NAMES, EngineConfig
+from writescope.engine import Engine
+from writescope.tools import cli
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "cluster_configs")
+
+
+def batch_parser():
+    from writescope.actors import batch_job
+
+    return batch_job.build_parser()
+
+
+def cli_parser(command: str):
+    commands = next(a for a in cli.build_parser()._actions if a.dest == "command")
+    return commands.choices[command]
+
+
+ENTRY_POINTS = {
+    "writescope generate": (lambda: cli_parser("generate"), ["--prompt", "x"]),
+    "writescope serve": (lambda: cli_parser("serve"), []),
+    "batch job": (batch_parser, ["--input", "in.jsonl", "--output", "out.jsonl"]),
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_every_entry_point_has_every_field_with_the_one_default(entry):
+    make_parser, required = ENTRY_POINTS[entry]
+    args = make_parser().parse_args(required)
+    assert EngineConfig.from_args(args) == EngineConfig()
+    flags = {option for action in make_parser()._actions for option in action.option_strings}
+    assert {"--" + name.replace("_", "-") for name in FIELD_NAMES} <= flags
+
+
+@pytest.mark.parametrize("entry", list(ENTRY_POINTS))
+def test_flags_reach_the_config(entry):
+    make_parser, required = ENTRY_POINTS[entry]
+    args = make_parser().parse_args([*required, "--hot-experts", "2", "--max-seq-len", "8192", "--dtype", "bfloat16",
+                                     "--policy", "share:0.3", "--emulated-nodes", "2"])
+    config = EngineConfig.from_args(args)
+    assert (config.hot_experts, config.max_seq_len, config.dtype, config.policy, config.emulated_nodes) == \
+        (2, 8192, "bfloat16", "share:0.3", 2)
+
+
+def test_the_engine_and_its_model_constructor_use_the_config_defaults():
+    defaults = EngineConfig()
+    params = dataclasses.fields(EngineConfig)
+    import inspect
+
+    from_model = inspect.signature(Engine.from_model).parameters
+    for f in params:
+        if f.name in from_model and from_model[f.name].default is not inspect.Parameter.empty:
+            assert from_model[f.name].default == getattr(defaults, f.name), f.name
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"max_seq_len": 0}, "max_seq_len must be an integer >= 1, got 0"),
+    ({"max_batch_size": True}, "max_batch_size must be an integer >= 1"),
+    ({"hot_experts": -1}, "hot_experts must be an integer >= 0 or none"),
+    ({"dtype": "int8"}, "dtype 'int8' is not supported; allowed: float32, bfloat16, float16"),
+    ({"policy": "fastest"}, "unknown policy 'fastest'"),
+    ({"device": "tpu"}, "device must be 'cpu' or 'cuda"),
+    ({"window_tokens": "many"}, "window_tokens must be an integer, got 'many'"),
+    ({"batch": 3}, r"unknown engine config fields \['batch'\]; allowed: model, dtype"),
+    ({"model": ""}, "model must be a checkpoint directory or a preset name"),
+])
+def test_bad_values_name_the_field_and_what_is_allowed(values, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_mapping(values)
+
+
+def test_text_integers_from_a_config_file_and_the_round_trip():
+    config = EngineConfig.from_mapping({"max_seq_len": "8192", "emulated_nodes": "2", "model": "tiny-mixtral"})
+    assert (config.max_seq_len, config.emulated_nodes) == (8192, 2)
+    assert EngineConfig.from_mapping(config.to_dict()) == config
+    with pytest.raises(ValueError, match="unknown engine config fields"):
+        config.replace(max_len=3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_seq_len = 1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name, path", [("serve.yaml", ("applications", 0, "args")),
+                                        ("rayservice.yaml", ("spec", "serveConfigV2"))])
+def test_the_serve_configs_run_bf16_kv(name, path):
+    with open(os.path.join(CONFIGS, name)) as f:
+        document = yaml.safe_load(f)
+    if name == "rayservice.yaml":
+        document = yaml.safe_load(document["spec"]["serveConfigV2"])
+        path = ("applications", 0, "args")
+    args = document
+    for key in path:
+        args = args[key]
+    engine_args = {k: v for k, v in args.items() if k in FIELD_NAMES}
+    assert EngineConfig.from_mapping(engine_args).dtype == "bfloat16"
+
+
+def test_an_engine_follows_its_config(monkeypatch, tmp_path):
+    monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
+    config = EngineConfig(model="tiny-mixtral", policy="all_cpu", window_tokens=16, block_size=4, max_batch_size=2,
+                          max_seq_len=128, hot_experts=1)
+    engine = Engine.from_pretrained(config=config)
+    try:
+        assert (engine.max_seq_len, engine.cache.block_size, engine.cache.config.window_tokens) == (128, 4, 16)
+        assert engine.cache.config.max_seqs == 2 and engine.policy.name == "all_cpu"
+        out = engine.generate("hello", max_new_tokens=3)[0]
+        assert len(out.token_ids) == 3
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="max_seq_len must be"):
+        Engine.from_pretrained(config=config, max_seq_len=-5)  # keywords replace the config's fields, checked
