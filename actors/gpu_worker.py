@@ -6,7 +6,7 @@ concurrent call join its running batch between steps.
 
 Authoritative state: none that outlives it. Rebuilt on (re)start: the weights (from the checkpoint
 or preset), the device buffers, the attachment of the regions and channels, and the policy snapshot
-(from the scheduler, to which it publishes its corrected policy every few steps). Lost with the process: the
+(from the policy store, to which it publishes its corrected policy every few steps). Lost with the process: the
 placement tables of the sequences it was decoding. A restarted worker starts with an empty batch
 and free regions; the caller of a lost generation gets an error naming its requests.
 """
@@ -23,7 +23,8 @@ import time
 import ray
 
 from writescope.config import EngineConfig
-from writescope.engine import GenerationOutput, SamplingParams, call_params, placement
+from writescope.engine import GenerationOutput, placement
+from writescope.sampling import SamplingParams, call_params
 from writescope.service import EngineService
 
 log = logging.getLogger(__name__)
@@ -31,19 +32,19 @@ log = logging.getLogger(__name__)
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class GPUWorker:
-    def __init__(self, config: EngineConfig, region_handles, channel_specs, scheduler, max_waiting: int = 64):
+    def __init__(self, config: EngineConfig, region_handles, channel_specs, policy_store, max_waiting: int = 64):
         """config: the driver's, its num_shards one per CPU worker (channel_specs); its policy a name."""
         from writescope.actors.channel_executor import ChannelExecutor
-        from writescope.actors.scheduler import RemotePolicy
+        from writescope.actors.policy_store import RemotePolicy
         from writescope.engine import PROVISIONAL_MODEL, Engine
 
         learns = config.policy == "writescope"
-        snapshot = ray.get(scheduler.configure.remote(config.policy, PROVISIONAL_MODEL if learns else None))
-        self.engine = Engine.from_config(config.replace(policy=RemotePolicy(scheduler, snapshot)),
+        snapshot = ray.get(policy_store.configure.remote(config.policy, PROVISIONAL_MODEL if learns else None))
+        self.engine = Engine.from_config(config.replace(policy=RemotePolicy(policy_store, snapshot)),
                                          executor=ChannelExecutor(channel_specs), region_handles=region_handles)
         if learns:  # timed here, through the CPU workers' channels: the CPU partial as this engine pays it
             model_fit = self.engine.calibrate()
-            self.engine.policy.reset(ray.get(scheduler.calibrated.remote(model_fit)))
+            self.engine.policy.reset(ray.get(policy_store.calibrated.remote(model_fit)))
         if config.device == "cpu":
             # Ray sets OMP_NUM_THREADS=1 for an actor of num_cpus=0. With no GPU the prefill's matmuls
             # run here on the CPU: on every CPU, while decode keeps one torch thread (more would

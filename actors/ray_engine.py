@@ -2,15 +2,15 @@
 `Engine.from_pretrained(..., executor="ray")`) returns a RayEngine.
 
     region owner  (RegionOwner)        creates the shared-memory segments, removes them at shutdown
-    scheduler     (WriteScopeScheduler) holds the policy (perf model, r*, online correction) for restarts
+    policy store  (PolicyStore)        holds the policy (perf model, r*, online correction) for restarts
     GPU worker    (GPUWorker)          an Engine: model, window, ping-pong, device partial, merge
     CPU workers   (CPUWorker, 1/node)  pinned to their NUMA node, partials over their shard
 
 Ray places, starts, restarts and kills these actors. Inside a decode step the GPU worker exchanges
 each layer's q and partials with the CPU workers over shared-memory channels
-(writescope.actors.channel_executor), not
-through Ray calls: see writescope.actors.channel and the README for the measured reasons. The
-caller's RayEngine holds only handles and forwards generate / generate_stream.
+(writescope.actors.channel_executor), not through Ray calls: see writescope.actors.channel and the
+README for the measured reasons. The caller's RayEngine holds only handles and forwards generate /
+generate_stream.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from writescope.actors.channel import ChannelSpec
 from writescope.actors.cpu_worker import CPUWorker
 from writescope.actors.gpu_worker import GPUWorker
 from writescope.actors.local_ray import ensure_ray
+from writescope.actors.policy_store import PolicyStore
 from writescope.actors.region_owner import RegionOwner
-from writescope.actors.scheduler import WriteScopeScheduler
 from writescope.config import EngineConfig
-from writescope.engine import SamplingParams, call_params, engine_cache_config, load_model_config, load_tokenizer
+from writescope.loading import engine_cache_config, load_model_config, load_tokenizer
 from writescope.prompts import PromptEncoder
+from writescope.sampling import SamplingParams, call_params
 from writescope.service import QueueFullError
 from writescope.topology import NumaNode, emulated_topology, topology
 
@@ -51,13 +52,13 @@ class WorkerLostError(RuntimeError):
 class RayEngine:
     """The caller's side of an engine whose actors run on Ray: the Engine API, forwarded."""
 
-    def __init__(self, owner, scheduler, gpu_worker, cpu_workers, prompts: PromptEncoder, engine_id: str):
+    def __init__(self, owner, policy_store, gpu_worker, cpu_workers, prompts: PromptEncoder, engine_id: str):
         self.engine_id = engine_id  # in the names of its memfds and of its channels' sockets
         self.max_seq_len = prompts.max_seq_len
         self.prompts = prompts  # prompts are tokenised and measured here, in the caller's process
         self._worker_lost = False  # the next call first waits for the restarted GPU worker
         self.owner = owner
-        self.scheduler = scheduler
+        self.policy_store = policy_store
         self.gpu_worker = gpu_worker
         self.cpu_workers = cpu_workers
         self._segment_names = ray.get(owner.segment_names.remote())
@@ -72,7 +73,7 @@ class RayEngine:
         machine's). max_waiting: requests the GPU worker holds waiting for KV capacity."""
         config = (config or EngineConfig()).replace(**({"model": model} if model is not None else {}), **fields)
         if not isinstance(config.policy, str):
-            raise ValueError("executor 'ray' takes the policy by name: the scheduler actor makes it")
+            raise ValueError("executor 'ray' takes the policy by name: the policy_store actor makes it")
         ensure_ray()
         if nodes is None:
             nodes = emulated_topology(config.emulated_nodes) if config.emulated_nodes else topology()
@@ -102,18 +103,18 @@ class RayEngine:
             specs = ray.get(owner.channel_specs.remote())
             cpu_workers = [CPUWorker.options(name=f"{named}-cpu-worker-{i}").remote(node, compute_handles[i], specs[i])
                            for i, node in enumerate(nodes)]
-            scheduler = WriteScopeScheduler.options(name=f"{named}-scheduler").remote()
-            actors += [*cpu_workers, scheduler]
+            policy_store = PolicyStore.options(name=f"{named}-policy-store").remote()
+            actors += [*cpu_workers, policy_store]
             ray.get([w.check_health.remote() for w in cpu_workers])
             gpu_worker = GPUWorker.options(name=f"{named}-gpu-worker", num_gpus=gpus, num_cpus=0).remote(
-                config, (compute_handles, transfer_handle), specs, scheduler, max_waiting)
+                config, (compute_handles, transfer_handle), specs, policy_store, max_waiting)
             actors.append(gpu_worker)
             ray.get(gpu_worker.check_health.remote())
         except BaseException:
             _stop(actors, owner)
             raise
         prompts = PromptEncoder(load_tokenizer(config.model), model_config.vocab_size, config.max_seq_len)
-        return cls(owner, scheduler, gpu_worker, cpu_workers, prompts, engine_id)
+        return cls(owner, policy_store, gpu_worker, cpu_workers, prompts, engine_id)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, **kwargs):
@@ -215,8 +216,8 @@ class RayEngine:
         return ray.get(self.gpu_worker.state.remote())["cpu_share_now"]
 
     def state(self) -> dict:
-        """The GPU worker's queue, occupancy and counters, and the scheduler's r*."""
-        return {**ray.get(self.gpu_worker.state.remote()), "scheduler": self.scheduler_state()}
+        """The GPU worker's queue, occupancy and counters, and the policy store's r*."""
+        return {**ray.get(self.gpu_worker.state.remote()), "policy_store": self.policy_state()}
 
     def check_integrity(self) -> None:
         ray.get(self.gpu_worker.check_integrity.remote())
@@ -230,8 +231,8 @@ class RayEngine:
         """(step seconds, attention seconds) of the GPU worker's recent decode steps."""
         return ray.get(self.gpu_worker.step_history.remote())
 
-    def scheduler_state(self) -> dict:
-        return ray.get(self.scheduler.state.remote())
+    def policy_state(self) -> dict:
+        return ray.get(self.policy_store.state.remote())
 
     def segment_names(self) -> list[str]:
         """The memfd names of this engine's shared memory (no process maps them after shutdown)."""
@@ -246,7 +247,7 @@ class RayEngine:
         for worker in self.cpu_workers:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.get(worker.shutdown.remote(), timeout=30)
-        _stop([self.gpu_worker, *self.cpu_workers, self.scheduler], self.owner)
+        _stop([self.gpu_worker, *self.cpu_workers, self.policy_store], self.owner)
 
 
 def _stop(actors, owner) -> None:

@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from writescope.kv_format import DTYPES
 from writescope.policies import POLICY_NAMES, Policy, check_policy, policy_argument
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
+DTYPE_NAMES = tuple(DTYPES)
 
 
 def _help(text: str) -> dict:

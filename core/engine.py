@@ -14,9 +14,7 @@ token, or max_new_tokens.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -29,16 +27,15 @@ from writescope.block_allocator import CapacityError
 from writescope.config import EngineConfig
 from writescope.executor import LocalExecutor
 from writescope.graph import DecodeGraph, build_decode_graph
-from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
-from writescope.models.checkpoint import load_config, load_weights
+from writescope.inplace_kv_cache import InplaceKVCache
+from writescope.loading import engine_cache_config, load_model
 from writescope.models.config import ModelConfig
 from writescope.models.layers import causal_attention
 from writescope.models.moe_model import MoEModel
-from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
 from writescope.perf_model import PerfModel
 from writescope.policies import Policy, check_policy, make_policy
 from writescope.prompts import PromptEncoder
-from writescope.sampling import FAILED, SamplingParams, make_generator, sample
+from writescope.sampling import FAILED, SamplingParams, call_params, make_generator, sample
 from writescope.split import device_side
 
 log = logging.getLogger(__name__)
@@ -135,15 +132,6 @@ class _DeviceClock:
 
     def seconds(self, stopped) -> float:
         return stopped if not self.cuda else stopped[0].elapsed_time(stopped[1]) / 1e3
-
-
-def _torch_dtype(dtype) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in names:
-        raise ValueError(f"dtype {dtype!r} is not supported; allowed: {', '.join(names)}")
-    return names[dtype]
 
 
 class Engine:
@@ -566,29 +554,6 @@ def _torch_threads(count: int | None):
         torch.set_num_threads(before)
 
 
-def _load_tokenizer(path: str):
-    file = os.path.join(path, "tokenizer.json")
-    if not os.path.isfile(file):
-        log.info("%s has no tokenizer.json: prompts must be token ids", path)
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(file)
-
-
-def call_params(prompts, defaults: SamplingParams, params=None) -> tuple[list, list[SamplingParams]]:
-    """One call's prompts as a list, and each prompt's SamplingParams: its own, else the call's
-    settings with no seed of their own (the call's seed then seeds each prompt by its position)."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        prompts = [prompts]
-    if not prompts:
-        raise ValueError("prompts is empty: pass one or more strings or lists of token ids")
-    if params is not None and len(params) != len(prompts):
-        raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: one per prompt")
-    return list(prompts), list(params) if params is not None else [dataclasses.replace(defaults, seed=None)] * len(
-        prompts)
-
-
 def placement(engine: Engine) -> dict:
     """Where the live sequences' KV is (tokens per region), the tokens outside the window, and the
     CPU share the policy wants for them now."""
@@ -616,59 +581,6 @@ def _ray_engine(config: EngineConfig, options: dict):
     return RayEngine.from_pretrained(config=config, **options)
 
 
-def load_model(path_or_preset: str, dtype=None, seed: int = 0):
-    """(ModelConfig, weights on the CPU, tokenizer or None, torch dtype) of a checkpoint directory or preset."""
-    config, torch_dtype = load_model_config(path_or_preset, dtype)
-    if os.path.isdir(path_or_preset):
-        weights = load_weights(path_or_preset, config, torch_dtype)
-    else:
-        weights = preset_weights(config, torch_dtype, seed)
-    return config, weights, load_tokenizer(path_or_preset), torch_dtype
-
-
-def load_tokenizer(path_or_preset: str):
-    """The tokenizer of a checkpoint directory (None without tokenizer.json) or of a preset."""
-    return _load_tokenizer(path_or_preset) if os.path.isdir(path_or_preset) else byte_level_tokenizer()
-
-
-def load_model_config(path_or_preset: str, dtype=None) -> tuple[ModelConfig, torch.dtype]:
-    """The ModelConfig and KV dtype alone (no weights): what sizing the regions needs."""
-    torch_dtype = _torch_dtype(dtype)
-    if os.path.isdir(path_or_preset):
-        config = load_config(path_or_preset)
-        default = config.dtype if config.dtype in ("float32", "bfloat16", "float16") else "float32"
-        return config, torch_dtype or _torch_dtype(default)
-    if path_or_preset in PRESETS:
-        return preset_config(path_or_preset), torch_dtype or torch.float32
-    raise ValueError(f"{path_or_preset!r} is neither a checkpoint directory nor a preset; "
-                     f"presets: {', '.join(PRESETS)}")
-
-
-def kv_format(config: ModelConfig, torch_dtype, block_size: int):
-    kv_dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[torch_dtype]
-    return config.kv_format(kv_dtype, block_size)
-
-
 # The writescope policy's model until the engine is calibrated (from_model replaces it at once).
 PROVISIONAL_MODEL = PerfModel(1e-9, 1e-9)
-
-# One ping-pong buffer's default ceiling: it then holds a whole layer's cpu_transfer blocks of the
-# batch (one fill, one device partial per layer) unless they pass this many bytes.
-PINGPONG_BUFFER_BYTES = 512 * 2**20
-
-
-def engine_cache_config(config: ModelConfig, torch_dtype, *, block_size: int, max_batch_size: int, max_seq_len: int,
-                        num_shards: int, window_tokens: int, pingpong_blocks: int | None, device: str) -> CacheConfig:
-    """Regions sized so that max_batch_size sequences of max_seq_len fit under any policy; ping-pong
-    buffers of pingpong_blocks blocks (None: every transfer block of a layer, up to PINGPONG_BUFFER_BYTES)."""
-    fmt = kv_format(config, torch_dtype, block_size)
-    blocks_per_seq = -(-max_seq_len // block_size)
-    blocks = max_batch_size * blocks_per_seq
-    if pingpong_blocks is None:
-        pingpong_blocks = PINGPONG_BUFFER_BYTES // (fmt.nbytes("gpu_pingpong", 1) // 2)
-    return CacheConfig(fmt, compute_blocks_per_shard=-(-blocks // num_shards), transfer_blocks=blocks,
-                       max_seqs=max_batch_size, pingpong_blocks=max(1, min(pingpong_blocks, blocks)),
-                       num_shards=num_shards, window_tokens=window_tokens, device=device,
-                       max_blocks_per_seq=blocks_per_seq)
-
 

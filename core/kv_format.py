@@ -23,17 +23,31 @@ Layouts (outermost first), all in blocks of block_size tokens:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from enum import Enum
 
 import torch
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# The one table of dtype names (weights, KV, kernel arguments): name -> torch dtype, and back.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 TOKEN_MAJOR = "token_major"  # a block's K and V [block_size, head_dim]
 PAIRED = "paired"  # a block's K [head_dim / 2, block_size, 2] and V [block_size / 2, head_dim, 2]
+
+
+class Region(str, Enum):
+    """The four regions, the one set of their names (a member equals its name as a string)."""
+    CPU_COMPUTE = "cpu_compute"
+    CPU_TRANSFER = "cpu_transfer"
+    GPU_WINDOW = "gpu_window"
+    GPU_PINGPONG = "gpu_pingpong"
+
+
+HOST_REGIONS = (Region.CPU_COMPUTE.value, Region.CPU_TRANSFER.value)  # the two in host memory (handles)
 LAYOUTS = {
-    "cpu_compute": ("layer", "kv_head", "block", "block_layout"),
-    "cpu_transfer": ("layer", "block", "kv_head", "token", "dim"),
-    "gpu_window": ("layer", "seq", "kv_head", "token", "dim"),
-    "gpu_pingpong": ("buffer", "block", "kv_head", "token", "dim"),
+    Region.CPU_COMPUTE.value: ("layer", "kv_head", "block", "block_layout"),
+    Region.CPU_TRANSFER.value: ("layer", "block", "kv_head", "token", "dim"),
+    Region.GPU_WINDOW.value: ("layer", "seq", "kv_head", "token", "dim"),
+    Region.GPU_PINGPONG.value: ("buffer", "block", "kv_head", "token", "dim"),
 }
 
 

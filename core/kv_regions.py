@@ -25,11 +25,10 @@ import msgpack
 import numpy as np
 import torch
 
-from writescope.kv_format import LAYOUTS, KVFormat
+from writescope.kv_format import HOST_REGIONS, LAYOUTS, KVFormat
 
 log = logging.getLogger(__name__)
 
-HOST_KINDS = ("cpu_compute", "cpu_transfer")
 _ALIGN_BYTES = 4096
 _NUMPY_STORAGE = {"bfloat16": np.int16, "float16": np.float16, "float32": np.float32}
 
@@ -128,8 +127,8 @@ class RegionHandle:
         self.validate()
 
     def validate(self) -> None:
-        if self.kind not in HOST_KINDS:
-            raise ValueError(f"handle kind {self.kind!r} is not a host region; allowed: {', '.join(HOST_KINDS)}")
+        if self.kind not in HOST_REGIONS:
+            raise ValueError(f"handle kind {self.kind!r} is not a host region; allowed: {', '.join(HOST_REGIONS)}")
         if tuple(self.layout) != LAYOUTS[self.kind]:
             raise ValueError(f"handle layout {self.layout} does not match {self.kind}'s {LAYOUTS[self.kind]}")
         if not isinstance(self.format, KVFormat):

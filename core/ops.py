@@ -20,12 +20,11 @@ from typing import NamedTuple
 import torch
 
 from writescope import env, reference
-from writescope.kv_format import PAIRED, TOKEN_MAJOR, from_paired
+from writescope.kv_format import DTYPE_NAMES, PAIRED, TOKEN_MAJOR, from_paired
 
 BACKENDS = ("torch", "cpu", "triton")
 QUERY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def partial_attention(q, k, v, *, scale=None, backend="cpu"):
@@ -316,7 +315,7 @@ def cpu_paged_attention_timed(q, source: KVSource, scale):
     seconds = _cpu_module().paged_attention(
         _as_numpy(q), _as_numpy(k_cache), _as_numpy(v_cache), _as_numpy(block_table), _as_numpy(seq_lens),
         out.numpy(), lse.numpy(),
-        q_dtype=_DTYPE_NAMES[q.dtype], kv_dtype=_DTYPE_NAMES[k_cache.dtype], layout=source.layout, scale=scale,
+        q_dtype=DTYPE_NAMES[q.dtype], kv_dtype=DTYPE_NAMES[k_cache.dtype], layout=source.layout, scale=scale,
     )
     return out, lse, seconds
 

@@ -16,16 +16,11 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from enum import Enum
 
+from writescope.kv_format import Region
 from writescope.perf_model import OnlineEstimator, PerfModel
 
 SWITCH_GAIN = 0.10  # what a new choice of r* must save over the current one, on a shared host
-
-
-class Region(str, Enum):
-    CPU_COMPUTE = "cpu_compute"
-    CPU_TRANSFER = "cpu_transfer"
 
 
 class Policy(ABC):

@@ -9,6 +9,7 @@ engine ends that request with an error, never the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
@@ -101,3 +102,16 @@ def _sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, top_ps: torch
     index = torch.searchsorted(cdf, target, right=True)
     index = torch.minimum(index, keep.sum(dim=-1, keepdim=True) - 1)  # rounding at the top end
     return order.gather(1, index)[:, 0]
+
+
+def call_params(prompts, defaults: SamplingParams, params=None) -> tuple[list, list[SamplingParams]]:
+    """One call's prompts as a list, and each prompt's SamplingParams: its own, else the call's
+    settings with no seed of their own (the call's seed then seeds each prompt by its position)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    if not prompts:
+        raise ValueError("prompts is empty: pass one or more strings or lists of token ids")
+    if params is not None and len(params) != len(prompts):
+        raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts: one per prompt")
+    return list(prompts), list(params) if params is not None else [dataclasses.replace(defaults, seed=None)] * len(
+        prompts)

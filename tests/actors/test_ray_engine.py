@@ -1,7 +1,7 @@
 """The engine on Ray against a real local Ray cluster (one per test session): the same tokens as
 the local executor, CPU workers pinned to their (emulated) NUMA nodes, a killed CPU worker that is
 restarted mid-generation without changing a token, a killed GPU worker that names the lost
-requests and is then usable again, the scheduler fed by the workers' times, and nothing left
+requests and is then usable again, the policy store fed by the workers' times, and nothing left
 behind by shutdown."""
 
 import os
@@ -15,8 +15,8 @@ import ray
 
 from tests.processes import abstract_sockets, processes_mapping  # noqa: E402
 from writescope.actors.local_ray import start_local_ray  # noqa: E402
+from writescope.actors.policy_store import SYNC_STEPS  # noqa: E402
 from writescope.actors.ray_engine import RayEngine, WorkerLostError  # noqa: E402
-from writescope.actors.scheduler import SYNC_STEPS  # noqa: E402
 from writescope.engine import Engine  # noqa: E402
 from writescope.models.presets import TINY_PRESETS  # noqa: E402
 from writescope.policies import POLICY_NAMES  # noqa: E402
@@ -112,14 +112,14 @@ def test_a_killed_gpu_worker_names_the_lost_requests_and_the_engine_then_works(r
         engine.shutdown()
 
 
-def test_the_scheduler_learns_from_the_workers_times(ray_cluster):
+def test_the_policy_store_learns_from_the_workers_times(ray_cluster):
     engine = ray_engine("tiny-mixtral", "writescope", 2)
     try:
-        calibrated = engine.scheduler_state()["model"]  # the GPU worker's calibration, through its channels
+        calibrated = engine.policy_state()["model"]  # the GPU worker's calibration, through its channels
         engine.generate(PROMPTS, max_new_tokens=2 * SYNC_STEPS + 2)
         # published every SYNC_STEPS decode steps by a call nothing waits for: it arrives soon after
-        wait_until(lambda: engine.scheduler_state()["steps"] >= 2 * SYNC_STEPS)
-        state = engine.scheduler_state()
+        wait_until(lambda: engine.policy_state()["steps"] >= 2 * SYNC_STEPS)
+        state = engine.policy_state()
     finally:
         engine.shutdown()
     assert state["policy"] == "writescope"
@@ -145,7 +145,7 @@ def test_shutdown_leaves_no_segment_socket_or_actor(ray_cluster):
     prefix = f"writescope-{engine.engine_id}-"
     assert set(abstract_sockets(prefix)) == {f"@{prefix}cpu0", f"@{prefix}cpu1"}  # the channels: no file anywhere
     assert not [n for n in os.listdir("/dev/shm") if engine.engine_id in n]
-    actors = [engine.owner, engine.scheduler, engine.gpu_worker, *engine.cpu_workers]
+    actors = [engine.owner, engine.policy_store, engine.gpu_worker, *engine.cpu_workers]
     engine.shutdown()
     wait_until(lambda: not any(processes_mapping(name) for name in names))  # ray.kill is asynchronous
     assert abstract_sockets(prefix) == []

@@ -430,7 +430,7 @@ def test_memory_fits_the_documented_example_with_the_engines_own_sizing():
     pod's memory) plus that /dev/shm fit the pods' memory limit with room for weights and processes."""
     import torch
 
-    from writescope.engine import engine_cache_config
+    from writescope.loading import engine_cache_config
     from writescope.models.config import ModelConfig
     from writescope.models.presets import PRESETS
 

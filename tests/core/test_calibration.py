@@ -10,9 +10,10 @@ import torch
 
 from writescope import calibration
 from writescope.cpu_partial import LocalCPUPartial
-from writescope.engine import Engine, engine_cache_config, load_model_config
+from writescope.engine import Engine
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.kv_format import KVFormat
+from writescope.loading import engine_cache_config, load_model_config
 from writescope.perf_model import PerfModel
 from writescope.policies import make_policy
 

@@ -1,10 +1,10 @@
-"""The WriteScope scheduler actor and the GPU worker's view of it.
+"""The policy store actor and the GPU worker's view of it.
 
-`WriteScopeScheduler` holds the placement policy (the perf model, r* and the online correction) so
+`PolicyStore` holds the placement policy (the perf model, r* and the online correction) so
 that it outlives the GPU worker: a restarted worker takes the running policy back. The GPU worker
 routes each sealed block with a `RemotePolicy`: its own copy of that policy, corrected at every
 decode step from the times the step measured (r* follows a contention change at once, no call in
-the step's path), and published to the scheduler every SYNC_STEPS steps with one call that
+the step's path), and published to the policy store every SYNC_STEPS steps with one call that
 nothing waits for.
 """
 
@@ -18,7 +18,7 @@ from writescope.policies import Policy, make_policy
 
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
-class WriteScopeScheduler:
+class PolicyStore:
     """The policy object (model, online correction, steps seen) as the GPU worker last published it.
     Lost on a restart of this actor; the GPU worker's next publication restores it."""
 
@@ -59,19 +59,19 @@ class WriteScopeScheduler:
         return self.policy is not None
 
 
-# Decode steps between two publications of the GPU worker's policy to the scheduler: a call per
-# step cost the GPU worker and the scheduler a Ray call each step (on a 2-core host, measured: ~5%
+# Decode steps between two publications of the GPU worker's policy to the policy store: a call per
+# step cost the GPU worker and the policy store a Ray call each step (on a 2-core host, measured: ~5%
 # of a 4 x 16K step with a reply awaited every 4 steps); a restarted worker loses at most these.
 SYNC_STEPS = 8
 
 
 class RemotePolicy(Policy):
-    """The GPU worker's policy: the scheduler's, kept and corrected here, published back."""
+    """The GPU worker's policy: the policy store's, kept and corrected here, published back."""
 
-    def __init__(self, scheduler, snapshot: Policy, sync_steps: int = SYNC_STEPS):
+    def __init__(self, policy_store, snapshot: Policy, sync_steps: int = SYNC_STEPS):
         self.name = snapshot.name
         self.ships_cpu_compute = snapshot.ships_cpu_compute
-        self._scheduler = scheduler
+        self._policy_store = policy_store
         self._policy = snapshot
         self._learns = type(snapshot).observe_step is not Policy.observe_step  # fixed shares ignore samples
         self._sync_steps = sync_steps
@@ -84,7 +84,7 @@ class RemotePolicy(Policy):
         return self._policy.preview_share(batch_tokens)
 
     def reset(self, snapshot: Policy) -> None:
-        """The scheduler's policy again (after calibration), at once."""
+        """The policy store's policy again (after calibration), at once."""
         self._policy = snapshot
 
     def observe_step(self, cpu_tokens: int, cpu_s: float, transfer_tokens: int, transfer_s: float) -> None:
@@ -97,5 +97,5 @@ class RemotePolicy(Policy):
         self._policy.end_step()
         self._unpublished += 1
         if self._unpublished >= self._sync_steps:
-            self._scheduler.publish.remote(self._policy, self._unpublished)  # nothing waits for it
+            self._policy_store.publish.remote(self._policy, self._unpublished)  # nothing waits for it
             self._unpublished = 0
