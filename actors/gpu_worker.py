@@ -32,8 +32,10 @@ log = logging.getLogger(__name__)
 
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class GPUWorker:
-    def __init__(self, config: EngineConfig, region_handles, channel_specs, policy_store, max_waiting: int = 64):
-        """config: the driver's, its num_shards one per CPU worker (channel_specs); its policy a name."""
+    def __init__(self, config: EngineConfig, cache_config, region_handles, channel_specs, policy_store,
+                 max_waiting: int = 64):
+        """config: the driver's, its num_shards one per CPU worker (channel_specs); its policy a name.
+        cache_config: the regions as the driver sized them (the region owner's)."""
         from writescope.actors.channel_executor import ChannelExecutor
         from writescope.actors.policy_store import RemotePolicy
         from writescope.engine import PROVISIONAL_MODEL, Engine
@@ -41,7 +43,8 @@ class GPUWorker:
         learns = config.policy == "writescope"
         snapshot = ray.get(policy_store.configure.remote(config.policy, PROVISIONAL_MODEL if learns else None))
         self.engine = Engine.from_config(config.replace(policy=RemotePolicy(policy_store, snapshot)),
-                                         executor=ChannelExecutor(channel_specs), region_handles=region_handles)
+                                         executor=ChannelExecutor(channel_specs), region_handles=region_handles,
+                                         cache_config=cache_config)
         if learns:  # timed here, through the CPU workers' channels: the CPU partial as this engine pays it
             model_fit = self.engine.calibrate()
             self.engine.policy.reset(ray.get(policy_store.calibrated.remote(model_fit)))

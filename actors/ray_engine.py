@@ -107,7 +107,7 @@ class RayEngine:
             actors += [*cpu_workers, policy_store]
             ray.get([w.check_health.remote() for w in cpu_workers])
             gpu_worker = GPUWorker.options(name=f"{named}-gpu-worker", num_gpus=gpus, num_cpus=0).remote(
-                config, (compute_handles, transfer_handle), specs, policy_store, max_waiting)
+                config, cache_config, (compute_handles, transfer_handle), specs, policy_store, max_waiting)
             actors.append(gpu_worker)
             ray.get(gpu_worker.check_health.remote())
         except BaseException:

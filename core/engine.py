@@ -27,7 +27,7 @@ from writescope.block_allocator import CapacityError
 from writescope.config import EngineConfig
 from writescope.executor import LocalExecutor
 from writescope.graph import DecodeGraph, build_decode_graph
-from writescope.inplace_kv_cache import InplaceKVCache
+from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.loading import engine_cache_config, load_model
 from writescope.models.config import ModelConfig
 from writescope.models.layers import causal_attention
@@ -186,10 +186,11 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, executor=None, concurrent: bool | None = None,
-                    region_handles=None):
+                    region_handles=None, cache_config: CacheConfig | None = None):
         """The in-process engine of a config: the weights loaded onto config.device, then from_model.
         executor: an executor object (the GPU worker's channel executor, say); default a
-        LocalExecutor, concurrent when the device is not the CPU (the two sides then run at once)."""
+        LocalExecutor, concurrent when the device is not the CPU (the two sides then run at once).
+        cache_config: the regions as sized already (by the Ray driver, with region_handles)."""
         model_config, weights, tokenizer, torch_dtype = load_model(config.model, config.dtype, config.weights_seed)
         weights = {name: w.to(config.device) for name, w in weights.items()}
         model = MoEModel(model_config, weights, device=config.device, hot_experts=config.hot_experts)
@@ -199,23 +200,23 @@ class Engine:
                               window_tokens=config.window_tokens, max_batch_size=config.max_batch_size,
                               max_seq_len=config.max_seq_len, block_size=config.block_size,
                               num_shards=config.num_shards, pingpong_blocks=config.pingpong_blocks,
-                              region_handles=region_handles)
+                              region_handles=region_handles, cache_config=cache_config)
 
     @classmethod
     def from_model(cls, model: MoEModel, tokenizer, kv_dtype: torch.dtype, *, policy: str | Policy = "writescope",
                    executor=None, window_tokens: int = EngineConfig.window_tokens,
                    max_batch_size: int = EngineConfig.max_batch_size, max_seq_len: int = EngineConfig.max_seq_len,
                    block_size: int = EngineConfig.block_size, num_shards: int | None = None,
-                   pingpong_blocks: int | None = None, region_handles=None):
+                   pingpong_blocks: int | None = None, region_handles=None, cache_config: CacheConfig | None = None):
         """An engine around a model already built (on its device): a new cache, executor and policy,
         so that several engines can share one model's weights (a sweep over policies, say).
         executor: an executor object, default a LocalExecutor (concurrent beside a GPU)."""
         check_policy(policy)
-        device = str(model.device)
-        cache_config = engine_cache_config(model.config, kv_dtype, block_size=block_size,
-                                           max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                           num_shards=num_shards or 1, window_tokens=window_tokens,
-                                           pingpong_blocks=pingpong_blocks, device=device)
+        if cache_config is None:
+            cache_config = engine_cache_config(model.config, kv_dtype, block_size=block_size,
+                                               max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                               num_shards=num_shards or 1, window_tokens=window_tokens,
+                                               pingpong_blocks=pingpong_blocks, device=str(model.device))
         if executor is None:
             executor = LocalExecutor(concurrent=model.device.type != "cpu")
         calibrate = policy == "writescope"
