@@ -40,6 +40,8 @@ class EngineConfig:
     max_seq_len: int = field(default=32768, metadata=_help(
         "prompt + new tokens of one sequence, at most; with max_batch_size it sizes the host KV regions"))
     device: str = field(default="cpu", metadata=_help("cpu, or cuda[:N] on a GPU machine"))
+    prefill_chunk_tokens: int = field(default=4096, metadata=_help(
+        "prompt tokens prefilled per turn, between decode steps of the running batch (a multiple of block_size)"))
     hot_experts: int | None = field(default=None, metadata=_help(
         "experts of each MoE layer kept on the device, the rest run on the CPU (default: all)"))
     num_shards: int | None = field(default=None, metadata=_help(
@@ -57,12 +59,15 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype!r} is not supported; allowed: {', '.join(DTYPE_NAMES)} "
                              f"(or none: the checkpoint's)")
         check_policy(self.policy)
-        for name in ("window_tokens", "block_size", "max_batch_size", "max_seq_len"):
+        for name in ("window_tokens", "block_size", "max_batch_size", "max_seq_len", "prefill_chunk_tokens"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("num_shards", "emulated_nodes", "pingpong_blocks"):
             _check_int(name, getattr(self, name), minimum=1, optional=True)
         _check_int("hot_experts", self.hot_experts, minimum=0, optional=True)
         _check_int("weights_seed", self.weights_seed, minimum=0)
+        if self.prefill_chunk_tokens % self.block_size:
+            raise ValueError(f"prefill_chunk_tokens must be a multiple of block_size {self.block_size}, "
+                             f"got {self.prefill_chunk_tokens}")
         if not isinstance(self.device, str) or not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -91,6 +91,7 @@ class _Request:
     read_offset: int = 0
 
     cancelled: bool = False
+    prefilled: int = 0  # prompt tokens whose KV is written in every layer (a chunked prefill's progress)
 
     @property
     def seq_id(self):
@@ -136,7 +137,11 @@ class _DeviceClock:
 
 class Engine:
     def __init__(self, model: MoEModel, tokenizer, *, policy: Policy, cache: InplaceKVCache, executor,
-                 max_batch_size: int, max_seq_len: int):
+                 max_batch_size: int, max_seq_len: int, prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens):
+        if prefill_chunk_tokens < 1 or prefill_chunk_tokens % cache.block_size:
+            raise ValueError(f"prefill_chunk_tokens must be a positive multiple of the block size "
+                             f"{cache.block_size}, got {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens  # prompt tokens prefilled per turn of the loop
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -200,14 +205,17 @@ class Engine:
                               window_tokens=config.window_tokens, max_batch_size=config.max_batch_size,
                               max_seq_len=config.max_seq_len, block_size=config.block_size,
                               num_shards=config.num_shards, pingpong_blocks=config.pingpong_blocks,
-                              region_handles=region_handles, cache_config=cache_config)
+                              prefill_chunk_tokens=config.prefill_chunk_tokens, region_handles=region_handles,
+                              cache_config=cache_config)
 
     @classmethod
     def from_model(cls, model: MoEModel, tokenizer, kv_dtype: torch.dtype, *, policy: str | Policy = "writescope",
                    executor=None, window_tokens: int = EngineConfig.window_tokens,
                    max_batch_size: int = EngineConfig.max_batch_size, max_seq_len: int = EngineConfig.max_seq_len,
                    block_size: int = EngineConfig.block_size, num_shards: int | None = None,
-                   pingpong_blocks: int | None = None, region_handles=None, cache_config: CacheConfig | None = None):
+                   pingpong_blocks: int | None = None,
+                   prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens, region_handles=None,
+                   cache_config: CacheConfig | None = None):
         """An engine around a model already built (on its device): a new cache, executor and policy,
         so that several engines can share one model's weights (a sweep over policies, say).
         executor: an executor object, default a LocalExecutor (concurrent beside a GPU)."""
@@ -225,7 +233,8 @@ class Engine:
         cache = InplaceKVCache(cache_config, policy, region_handles=region_handles)
         try:
             engine = cls(model, tokenizer, policy=policy, cache=cache, executor=executor,
-                         max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+                         max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                         prefill_chunk_tokens=prefill_chunk_tokens)
             if calibrate:
                 policy.estimator.reset_to(engine.calibrate())
             return engine
@@ -300,41 +309,20 @@ class Engine:
     def run_loop(self, waiting: deque, poll: Callable[[bool], list[_Request]] | None = None) -> Iterator[StreamEvent]:
         """The continuous-batching loop. Between steps, poll(block) adds new requests (block: nothing
         is running or waiting, so it may wait for one; [] then ends the loop). Without poll, a request
-        that cannot fit even alone raises CapacityError; with poll, it gets an error event instead."""
-        running, admitted = [], {}  # admitted: id -> request holding KV blocks, until it finishes
+        that cannot fit even alone raises CapacityError; with poll, it gets an error event instead.
+
+        Each turn admits what fits, prefills up to prefill_chunk_tokens of the admitted prompts (a
+        long prompt a chunk per turn, short ones several to a turn), then runs one decode step of the
+        running batch: a long prefill delays the running streams by a chunk, not by the prompt."""
+        running, prefilling, admitted = [], deque(), {}  # admitted: id -> request holding KV blocks
         try:
             while True:
                 if poll is not None:
-                    waiting.extend(poll(not waiting and not running))
-                if not waiting and not running:
+                    waiting.extend(poll(not waiting and not running and not prefilling))
+                if not waiting and not running and not prefilling:
                     return
-                while waiting and len(running) < self.max_batch_size:
-                    request = waiting[0]
-                    if request.cancelled:
-                        waiting.popleft()
-                        yield StreamEvent(request.index, -1, "", "abort")
-                        continue
-                    try:
-                        self.cache.admit(request.seq_id, len(request.prompt), request.max_new_tokens)
-                    except CapacityError:
-                        if running:
-                            break  # it waits for a running sequence to finish
-                        if poll is None:
-                            raise
-                        waiting.popleft()
-                        yield self._fail(request, f"the request's {len(request.prompt)} prompt tokens and "
-                                         f"max_new_tokens={request.max_new_tokens} do not fit this engine's KV "
-                                         f"cache even alone ({self.cache.free_blocks() * self.cache.block_size} "
-                                         f"tokens)", INVALID_REQUEST)
-                        continue
-                    waiting.popleft()
-                    admitted[id(request)] = request
-                    yield self._first_token(request)
-                    if request.finish_reason is None:
-                        running.append(request)
-                    else:
-                        self.cache.finish(request.seq_id)
-                        del admitted[id(request)]
+                yield from self._admit(waiting, running, prefilling, admitted, fail_alone=poll is not None)
+                yield from self._prefill_turn(prefilling, running, admitted)
                 if running:
                     for request, token in zip(running, self._decode_step(running), strict=True):
                         yield self._accept(request, token)
@@ -342,23 +330,66 @@ class Engine:
                         if request.finish_reason is None:
                             request.finish_reason = "abort"
                             yield StreamEvent(request.index, -1, "", "abort")
-                        self.cache.finish(request.seq_id)
+                        self._release(request, admitted)
                         running.remove(request)
-                        del admitted[id(request)]
         finally:  # a consumer that stops early, or an error, still releases every admitted sequence
             for request in admitted.values():
                 if request.seq_id in self.cache.seqs:
                     self.cache.finish(request.seq_id)
 
-    def _first_token(self, request: _Request) -> StreamEvent:
-        """Prefills an admitted request and samples its first token; a failure ends it alone."""
-        try:
-            token = self._prefill(request)
-        except Exception:  # noqa: BLE001 - one request's prefill (out of memory, a bad prompt) ends only it
-            log.exception("prefill of request %s failed", request.index)
-            return self._fail(request, "an internal error ended this request during its prefill; the engine's "
-                              "log has the details", INTERNAL_ERROR)
-        return self._accept(request, token)
+    def _admit(self, waiting: deque, running: list, prefilling: deque, admitted: dict,
+               fail_alone: bool) -> Iterator[StreamEvent]:
+        """Waiting requests into the cache, in order, while there are batch slots and KV for them."""
+        while waiting and len(running) + len(prefilling) < self.max_batch_size:
+            request = waiting[0]
+            if request.cancelled:
+                waiting.popleft()
+                yield StreamEvent(request.index, -1, "", "abort")
+                continue
+            try:
+                self.cache.admit(request.seq_id, len(request.prompt), request.max_new_tokens)
+            except CapacityError:
+                if running or prefilling:
+                    return  # it waits for a running sequence to finish
+                if not fail_alone:
+                    raise
+                waiting.popleft()
+                yield self._fail(request, f"the request's {len(request.prompt)} prompt tokens and "
+                                 f"max_new_tokens={request.max_new_tokens} do not fit this engine's KV "
+                                 f"cache even alone ({self.cache.free_blocks() * self.cache.block_size} "
+                                 f"tokens)", INVALID_REQUEST)
+                continue
+            waiting.popleft()
+            admitted[id(request)] = request
+            prefilling.append(request)
+
+    def _prefill_turn(self, prefilling: deque, running: list, admitted: dict) -> Iterator[StreamEvent]:
+        """Prefill chunks of the admitted prompts, oldest first, up to prefill_chunk_tokens this turn; a
+        request cancelled during its prefill stops here and frees its KV."""
+        budget = self.prefill_chunk_tokens
+        while prefilling and budget > 0:
+            request = prefilling[0]
+            if request.cancelled:
+                prefilling.popleft()
+                request.finish_reason = "abort"
+                self._release(request, admitted)
+                yield StreamEvent(request.index, -1, "", "abort")
+                continue
+            before = request.prefilled
+            event = self._prefill_step(request)
+            budget -= max(request.prefilled - before, 1)
+            if event is None:
+                continue  # more chunks to come, next turn if the budget is spent
+            prefilling.popleft()
+            yield event
+            if request.finish_reason is None:
+                running.append(request)
+            else:
+                self._release(request, admitted)
+
+    def _release(self, request: _Request, admitted: dict) -> None:
+        self.cache.finish(request.seq_id)
+        del admitted[id(request)]
 
     @staticmethod
     def _fail(request: _Request, message: str, kind: str) -> StreamEvent:
@@ -418,24 +449,41 @@ class Engine:
         return True
 
     # ------------------------------------------------------------------ prefill
-    def _prefill(self, request: _Request) -> int:
-        with _torch_threads(self.prefill_threads):
-            return self._prefill_layers(request)
+    def _prefill_step(self, request: _Request) -> StreamEvent | None:
+        """One chunk of an admitted request's prefill; its first token's event after the last chunk,
+        else None. A failure ends the request alone, with an error event."""
+        try:
+            with _torch_threads(self.prefill_threads):
+                token = self._prefill_chunk(request)
+        except Exception:  # noqa: BLE001 - one request's prefill (out of memory, a bad prompt) ends only it
+            log.exception("prefill of request %s failed", request.index)
+            return self._fail(request, "an internal error ended this request during its prefill; the engine's "
+                              "log has the details", INTERNAL_ERROR)
+        return None if token is None else self._accept(request, token)
 
     @torch.inference_mode()
-    def _prefill_layers(self, request: _Request) -> int:
-        """Full causal attention over the prompt, each layer's KV written straight to its regions."""
+    def _prefill_chunk(self, request: _Request) -> int | None:
+        """Prompt tokens [prefilled, prefilled + prefill_chunk_tokens) through every layer: each layer's
+        chunk attends to the prompt's KV already written (read back from its regions) and to itself,
+        causally, and its KV goes straight to its regions. The sampled first token after the last
+        chunk, else None. Activations are the chunk's, whatever the prompt's length."""
         model, device = self.model, self.model.device
-        ids = torch.tensor(request.prompt, device=device)
-        positions = torch.arange(len(request.prompt), device=device)
-        hidden = model.embed(ids)
-        rope = model.rope(positions)
+        start = request.prefilled
+        end = min(start + self.prefill_chunk_tokens, len(request.prompt))
+        hidden = model.embed(torch.tensor(request.prompt[start:end], device=device))
+        rope = model.rope(torch.arange(start, end, device=device))
         for layer in range(self.config.num_layers):
-            q, stored = model.attention_inputs(layer, hidden, rope)
-            self.cache.write_prefill(request.seq_id, layer, *[s.transpose(0, 1) for s in stored])
+            q, stored = model.attention_inputs(layer, hidden, rope)  # stored: [chunk, num_kv_heads, dim] each
+            self.cache.write_prefill_chunk(request.seq_id, layer, start, *[s.transpose(0, 1) for s in stored])
+            if start:
+                prefix = self.cache.sequence_kv(request.seq_id, layer, start)  # [num_kv_heads, start, dim] each
+                stored = [torch.cat([p.transpose(0, 1).to(device), s]) for p, s in zip(prefix, stored, strict=True)]
             v = stored[0][..., : self.config.decode_head_dim_v] if self.config.is_mla else stored[1]
             attention = causal_attention(q, stored[0], v, self.config.attention_scale)
             hidden = model.feed_forward(layer, model.attention_output(layer, attention, hidden))
+        request.prefilled = end
+        if end < len(request.prompt):
+            return None
         return self._sample([request], model.logits(hidden[-1:]))[0]
 
     # ------------------------------------------------------------------ decode

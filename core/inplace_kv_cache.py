@@ -81,6 +81,7 @@ class SequenceState:
     blocks: list[Placement] = field(default_factory=list)  # logical order (the tables hold them by region)
     window_len: int = 0
     prefilled_layers: set[int] = field(default_factory=set)
+    prefill_written: dict[int, int] = field(default_factory=dict)  # layer -> prompt tokens written so far
     reserved_blocks: int = 0  # reserved at admission, not yet placed
 
 
@@ -195,18 +196,42 @@ class InplaceKVCache:
     # ---------------------------------------------------------------- writes
     def write_prefill(self, seq_id, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """k [num_kv_heads, prompt_len, head_dim_k], v [num_kv_heads, prompt_len, head_dim_v] (None when V
-        is inside K): the full blocks go straight to their placed regions, the rest to the window."""
+        is inside K): the whole prompt of one layer (write_prefill_chunk for a part of it)."""
+        self._stored(k, v, self._state(seq_id).prompt_len)
+        self.write_prefill_chunk(seq_id, layer, 0, k, v)
+
+    def write_prefill_chunk(self, seq_id, layer: int, start: int, k: torch.Tensor,
+                            v: torch.Tensor | None = None) -> None:
+        """k [num_kv_heads, n, head_dim_k], v [num_kv_heads, n, head_dim_v] (None when V is inside K):
+        prompt tokens [start, start + n) of one layer. Chunks of a layer come in order, each starting
+        where the last ended, on a block boundary; every chunk but the last ends on one too. Tokens of
+        full blocks go straight to their placed regions, the prompt's last partial block to the window."""
         state = self._state(seq_id)
         self._check_layer(layer)
         if layer in state.prefilled_layers:
             raise ValueError(f"layer {layer} of sequence {seq_id!r} is already prefilled")
-        arrays = self._stored(k, v, state.prompt_len)
+        written = state.prefill_written.get(layer, 0)
+        if k.dim() != 3:
+            self._stored(k, v, 0)  # raises: names the shape expected
+        end = start + k.shape[1]
+        if start != written or end <= start or end > state.prompt_len or (
+                end < state.prompt_len and end % self.block_size):
+            raise ValueError(f"prefill of layer {layer} of sequence {seq_id!r} continues at token {written} with "
+                             f"whole blocks of {self.block_size} (the last chunk ends at the prompt's "
+                             f"{state.prompt_len}); got tokens [{start}, {end})")
+        arrays = self._stored(k, v, end - start)
         placed = len(state.blocks) * self.block_size
-        blocks = [a[:, :placed].unflatten(1, (len(state.blocks), self.block_size)) for a in arrays]
-        self._write_blocks(state.blocks, [layer], [b[None] for b in blocks])  # [1, kv, n, bs, dim] each
-        for window, array in zip(self.window, arrays, strict=True):
-            window[layer, state.slot, :, : state.window_len] = array[:, placed:].to(window.device)
-        state.prefilled_layers.add(layer)
+        if min(end, placed) > start:
+            first, count = start // self.block_size, (min(end, placed) - start) // self.block_size
+            blocks = [a[:, : count * self.block_size].unflatten(1, (count, self.block_size)) for a in arrays]
+            self._write_blocks(state.blocks[first:first + count], [layer], [b[None] for b in blocks])
+        if end > placed:  # the prompt's last partial block
+            begin = max(start, placed)
+            for window, array in zip(self.window, arrays, strict=True):
+                window[layer, state.slot, :, begin - placed: end - placed] = array[:, begin - start:].to(window.device)
+        state.prefill_written[layer] = end
+        if end == state.prompt_len:
+            state.prefilled_layers.add(layer)
 
     def append(self, seq_id, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """k [num_kv_heads, head_dim_k], v [num_kv_heads, head_dim_v]: the new token of one layer, into
@@ -403,24 +428,44 @@ class InplaceKVCache:
             sources.append(KVSource(k, v, table.to(self.device), source.seq_lens.to(self.device)))
         return sources
 
-    def sequence_kv(self, seq_id, layer: int) -> list[torch.Tensor]:
+    def sequence_kv(self, seq_id, layer: int, num_tokens: int | None = None) -> list[torch.Tensor]:
         """A copy of a sequence's stored arrays of one layer in logical token order: [num_kv_heads,
-        num_tokens, dim] each. For checks and debugging, not the hot path."""
+        tokens, dim] each, on the host. num_tokens: only the first ones, a whole number of placed
+        blocks (what a chunked prefill has written so far); None: every token. For checks and for the
+        prefix of a chunked prefill, not the decode step's path."""
         state = self._state(seq_id)
         parts = [[] for _ in self.config.format.stored_dims]
         fmt = self.config.format
-        for p in state.blocks:
-            region = self.compute[p.shard] if p.region is Region.CPU_COMPUTE else self.transfer
-            for (name, _), out, array in zip(fmt.stored_arrays, parts, region.arrays, strict=True):
-                if p.region is Region.CPU_TRANSFER:
-                    out.append(array[layer, p.block])
-                elif fmt.compute_layout == PAIRED:
-                    out.append(from_paired(name, array[layer, :, p.block]))
-                else:
-                    out.append(array[layer, :, p.block])
-        for out, window in zip(parts, self.window, strict=True):
-            out.append(window[layer, state.slot, :, : state.window_len].cpu())
-        return [torch.cat(out, dim=1) for out in parts]
+        blocks = state.blocks
+        if num_tokens is not None:
+            if num_tokens % self.block_size or num_tokens > len(blocks) * self.block_size:
+                raise ValueError(f"num_tokens={num_tokens} must be a whole number of the sequence's "
+                                 f"{len(blocks)} placed blocks of {self.block_size}")
+            blocks = blocks[: num_tokens // self.block_size]
+        bs = self.block_size
+        gathered = [torch.empty(fmt.num_kv_heads, len(blocks), bs, dim, dtype=fmt.torch_dtype)
+                    for dim in fmt.stored_dims]
+        by_region: dict[tuple, list[tuple[int, int]]] = {}  # (region, shard) -> [(logical index, block id)]
+        for index, p in enumerate(blocks):
+            by_region.setdefault((p.region, p.shard), []).append((index, p.block))
+        for (region_name, shard), items in by_region.items():  # one gather per region and stored array
+            logical = torch.tensor([i for i, _ in items])
+            physical = torch.tensor([b for _, b in items])
+            region = self.compute[shard] if region_name is Region.CPU_COMPUTE else self.transfer
+            for (name, _), out, array in zip(fmt.stored_arrays, gathered, region.arrays, strict=True):
+                if region_name is Region.CPU_TRANSFER:  # [block, kv_head, token, dim]
+                    chosen = array[layer].index_select(0, physical).movedim(0, 1)
+                else:  # head-major [kv_head, block, <block layout>]
+                    chosen = array[layer].index_select(1, physical)
+                    chosen = from_paired(name, chosen) if fmt.compute_layout == PAIRED else chosen
+                out[:, logical] = chosen
+        for out, array in zip(parts, gathered, strict=True):
+            out.append(array.flatten(1, 2))
+        if num_tokens is None:
+            for out, window in zip(parts, self.window, strict=True):
+                out.append(window[layer, state.slot, :, : state.window_len].cpu())
+        empty = [torch.empty(fmt.num_kv_heads, 0, dim, dtype=fmt.torch_dtype) for dim in fmt.stored_dims]
+        return [torch.cat(out, dim=1) if out else e for out, e in zip(parts, empty, strict=True)]
 
     def device_bytes(self) -> int:
         window = sum(t.numel() * t.element_size() for t in self.window)

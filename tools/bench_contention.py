@@ -28,7 +28,7 @@ from writescope.engine import PROVISIONAL_MODEL, placement
 from writescope.models.moe_model import MoEModel
 from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
 from writescope.policies import WriteScopePolicy
-from writescope.tools.bench_split import RandomKVEngine
+from writescope.tools.bench_split import RandomKVEngine, whole_batch_chunk
 from writescope.tools.results import host_info, write_json
 
 log = logging.getLogger("bench_contention")
@@ -104,7 +104,8 @@ def run(args) -> dict:
     policy = RecordingPolicy(PROVISIONAL_MODEL)
     engine = RandomKVEngine.from_model(model, byte_level_tokenizer(), torch.bfloat16, policy=policy,
                                        max_batch_size=args.batch, max_seq_len=max_seq_len,
-                                       window_tokens=args.window_tokens)
+                                       window_tokens=args.window_tokens,
+                                       prefill_chunk_tokens=whole_batch_chunk(args.batch, args.context, 16))
     calibrated = engine.calibrate()
     policy.estimator.reset_to(calibrated)
     hog = Hog(args.hog)

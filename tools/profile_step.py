@@ -40,15 +40,18 @@ def decoding_engine(preset: str, policy: str, batch: int, context: int, *, block
 
 
 def _steps(engine, events, batch: int):
-    """Yields once the batch is prefilled, then after each decode step."""
-    steps = engine.stats["steps"]
+    """Yields once the whole batch is prefilled (with chunked prefill the first sequences may decode
+    before the last is prefilled: those steps are not yielded), then after each decode step."""
+    steps = None
     for _ in events:
-        if engine.stats["steps"] != steps:
+        if steps is None:
+            if len(engine.cache.seqs) == batch and all(
+                    len(s.prefilled_layers) == engine.config.num_layers for s in engine.cache.seqs.values()):
+                steps = engine.stats["steps"]
+                yield 0
+        elif engine.stats["steps"] != steps:
             steps = engine.stats["steps"]
             yield steps
-        elif steps == 0 and len(engine.cache.seqs) == batch and all(
-                len(s.prefilled_layers) == engine.config.num_layers for s in engine.cache.seqs.values()):
-            yield 0
 
 
 def profile_steps(steps, count: int) -> pstats.Stats:

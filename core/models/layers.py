@@ -83,13 +83,27 @@ def swiglu(x, gate_up, down):
     return F.linear(F.silu(gate) * up, down)
 
 
-def causal_attention(q, k, v, scale):
-    """Prefill attention over one sequence. q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv] ->
-    [T, Hq, Dv], in float32, through torch's fused SDPA (memory linear in T). V narrower than K (MLA's
-    latent) is zero-padded to K's width so the fused kernel applies; the padding adds zeros only."""
+def causal_attention(q, k, v, scale, *, query_block: int = 1024):
+    """Prefill attention over one sequence. q [T, Hq, Dqk] are the last T of the S positions of k
+    [S, Hkv, Dqk] and v [S, Hkv, Dv] (S == T: a whole prompt; S > T: a chunk after a prefix): query i
+    sees keys [0, S - T + i]. -> [T, Hq, Dv], in float32, through torch's fused SDPA (memory linear
+    in S). V narrower than K (MLA's latent) is zero-padded to K's width so the fused kernel applies;
+    the padding adds zeros only. After a prefix the queries go query_block at a time, each with its
+    [query_block, keys] causal mask, so no mask grows with the prompt."""
     dim_v = v.shape[-1]
     if dim_v < k.shape[-1]:
         v = F.pad(v, (0, k.shape[-1] - dim_v))
-    q32, k32, v32 = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, T, dim]
-    out = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)[..., :dim_v]
+    q32, k32, v32 = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, T or S, dim]
+    offset = k.shape[0] - q.shape[0]
+    if offset == 0:
+        out = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, scale=scale, enable_gqa=True)
+        return out[0].transpose(0, 1)[..., :dim_v]
+    outs = []
+    for begin in range(0, q.shape[0], query_block):
+        end = min(begin + query_block, q.shape[0])
+        keys = offset + end
+        positions = offset + torch.arange(begin, end, device=q.device)
+        visible = torch.arange(keys, device=q.device)[None, :] <= positions[:, None]  # [queries, keys]
+        outs.append(F.scaled_dot_product_attention(q32[:, :, begin:end], k32[:, :, :keys], v32[:, :, :keys],
+                                                   attn_mask=visible, scale=scale, enable_gqa=True))
+    return torch.cat(outs, dim=2)[0].transpose(0, 1)[..., :dim_v]

@@ -303,3 +303,40 @@ def test_a_started_transfer_is_used_not_copied_again():
             blocks = source.k_cache[source.block_table[0, :n].long()]  # [n, num_kv_heads, 4, head_dim]
             got.append(blocks.permute(1, 0, 2, 3).reshape(2, n * 4, -1))
         assert torch.equal(torch.cat(got, dim=1), cache.sequence_kv("a", 1)[0])
+
+
+@pytest.mark.parametrize("fmt", [GQA, MLA], ids=["gqa", "mla"])
+def test_a_prompt_written_in_chunks_is_the_prompt_written_whole(fmt):
+    """Chunks of whole blocks, then a last chunk with the partial block: the same KV in every region
+    and the window as one whole write, and sequence_kv(num_tokens) reads back what is written so far."""
+    torch.manual_seed(0)
+    prompt_len, bs = 23, fmt.block_size
+    arrays = [torch.randn(fmt.num_kv_heads, prompt_len, d).to(fmt.torch_dtype) for d in fmt.stored_dims]
+    with make_cache(fmt, make_policy("fixed_half"), transfer_in_place=True) as whole, \
+            make_cache(fmt, make_policy("fixed_half"), transfer_in_place=True) as chunked:
+        for cache in (whole, chunked):
+            cache.admit("a", prompt_len, 4)
+        for layer in range(fmt.num_layers):
+            whole.write_prefill("a", layer, *arrays)
+            for start in range(0, prompt_len, 2 * bs):
+                end = min(start + 2 * bs, prompt_len)
+                chunked.write_prefill_chunk("a", layer, start, *[a[:, start:end] for a in arrays])
+                if end < prompt_len:
+                    so_far = chunked.sequence_kv("a", layer, end)
+                    assert all(torch.equal(s, a[:, :end]) for s, a in zip(so_far, arrays, strict=True))
+            for ours, theirs in zip(chunked.sequence_kv("a", layer), whole.sequence_kv("a", layer), strict=True):
+                assert torch.equal(ours, theirs)
+        chunked.check_integrity()
+
+
+def test_chunks_out_of_order_or_ending_inside_a_block_are_refused():
+    with make_cache() as cache:
+        bs = GQA.block_size
+        cache.admit("a", 3 * bs + 1, 2)
+        kv = [torch.zeros(GQA.num_kv_heads, bs, d).to(GQA.torch_dtype) for d in GQA.stored_dims]
+        with pytest.raises(ValueError, match=f"continues at token 0 with whole blocks of {bs}"):
+            cache.write_prefill_chunk("a", 0, bs, *kv)  # skips the first chunk
+        with pytest.raises(ValueError, match=r"got tokens \[0, 1\)"):
+            cache.write_prefill_chunk("a", 0, 0, *[a[:, :1] for a in kv])  # ends inside a block
+        with pytest.raises(ValueError, match="must be a whole number"):
+            cache.sequence_kv("a", 0, 1)

@@ -328,3 +328,55 @@ def test_the_share_reported_is_the_share_blocks_are_routed_with():
         assert checked >= 30 and differed >= checked // 2
     finally:
         local.shutdown()
+
+
+def test_a_running_stream_gets_tokens_while_a_long_prompt_is_prefilled():
+    """Chunked prefill interleaved with decode: the short request's tokens keep coming while the
+    long one is prefilled chunk by chunk (15 chunks of 8 tokens), and each gets its solo tokens."""
+    from collections import deque
+
+    from writescope.sampling import SamplingParams
+
+    short, long = list(range(1, 6)), [(7 * i) % 250 + 1 for i in range(120)]
+    engine = small_engine(prefill_chunk_tokens=8)
+    try:
+        solo = [engine.generate([p], max_new_tokens=n)[0].token_ids for p, n in ((short, 30), (long, 4))]
+        requests = [engine.make_request(i, p, SamplingParams(max_new_tokens=n))
+                    for i, (p, n) in enumerate(((short, 30), (long, 4)))]
+        events = list(engine.run_loop(deque(requests)))
+    finally:
+        engine.shutdown()
+    long_first = next(i for i, e in enumerate(events) if e.index == 1)
+    short_before = sum(1 for e in events[:long_first] if e.index == 0)
+    assert short_before >= 10, short_before  # about one token per 8-token chunk of the long prompt
+    assert [r.tokens for r in requests] == solo
+
+
+def test_a_request_cancelled_during_its_prefill_stops_at_the_next_chunk_and_frees_its_kv():
+    from collections import deque
+
+    from writescope.sampling import SamplingParams
+
+    engine = small_engine(prefill_chunk_tokens=8)
+    try:
+        short = engine.make_request(0, list(range(1, 6)), SamplingParams(max_new_tokens=20))
+        long = engine.make_request(1, list(range(1, 200)), SamplingParams(max_new_tokens=4))
+        seen = []
+        for event in engine.run_loop(deque([short, long])):
+            seen.append(event)
+            if event.index == 0 and len(seen) == 3:
+                assert 0 < long.prefilled < len(long.prompt)  # mid-prefill
+                long.cancelled = True
+        assert [e.finish_reason for e in seen if e.index == 1] == ["abort"]
+        assert long.prefilled < len(long.prompt) and not engine.cache.seqs
+        assert len(short.tokens) == 20
+        engine.cache.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("chunk, message", [(0, "prefill_chunk_tokens must be an integer >= 1"),
+                                            (6, "prefill_chunk_tokens must be a multiple of block_size 4")])
+def test_bad_prefill_chunks_are_refused(chunk, message):
+    with pytest.raises(ValueError, match=message):
+        small_engine(prefill_chunk_tokens=chunk)

@@ -2,8 +2,8 @@
 
 Each architecture is a random-weight transformers model saved with save_pretrained (safetensors)
 and loaded through Engine.from_pretrained; prompts of 200-300 tokens with an 8-token window make
-the KV land in the CPU regions and the window flush twice per sequence; every policy must give the
-tokens of transformers' greedy generate.
+the KV land in the CPU regions and the window flush twice per sequence; every policy, with whole or
+chunked prefill, must give the tokens of transformers' greedy generate.
 """
 
 import os
@@ -77,12 +77,19 @@ def device(request):
     return request.param
 
 
+# Whole prompts in one turn, or 64-token chunks: each chunk attends to the KV the earlier ones wrote
+# (read back from its regions), and the first sequence decodes while the second is still prefilled.
+PREFILL_CHUNKS = {"whole": 4096, "chunked": 64}
+
+
+@pytest.mark.parametrize("prefill", list(PREFILL_CHUNKS))
 @pytest.mark.parametrize("policy", POLICY_NAMES)
-def test_same_tokens_and_logits_as_transformers(checkpoint, policy, device, tmp_path, monkeypatch):
+def test_same_tokens_and_logits_as_transformers(checkpoint, policy, prefill, device, tmp_path, monkeypatch):
     monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
     path, prompts, expected = checkpoint
     engine = Engine.from_pretrained(path, policy=policy, dtype="float32", window_tokens=8, block_size=4,
-                                    max_batch_size=2, max_seq_len=320, device=device)
+                                    max_batch_size=2, max_seq_len=320, device=device,
+                                    prefill_chunk_tokens=PREFILL_CHUNKS[prefill])
     flushed, regions = 0, set()
     original_flush = engine.cache._flush_window
 

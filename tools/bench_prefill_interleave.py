@@ -1,0 +1,90 @@
+"""A running stream's inter-token gaps while another request's long prompt is prefilled, with the
+prefill chunked (interleaved with decode steps) or whole, through the Engine API in one process.
+
+For each chunk size: a short request decodes; once it has produced `--warm-tokens`, a request with a
+`--context`-token prompt arrives (EngineService, as callers submit). Reported: the short stream's
+largest gap between two tokens while the long prompt is prefilled, its median gap, the long
+prompt's time to first token and its prefill tok/s.
+
+    python tools/bench_prefill_interleave.py --context 32768 --chunks 4096 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import threading
+import time
+
+import torch
+
+from writescope.config import EngineConfig
+from writescope.engine import Engine
+from writescope.sampling import SamplingParams
+from writescope.service import EngineService
+from writescope.tools.results import write_json
+
+log = logging.getLogger("bench_prefill_interleave")
+
+
+def measure(args, chunk: int) -> dict:
+    config = EngineConfig(model=args.preset, dtype="bfloat16", policy="all_cpu", max_batch_size=2,
+                          max_seq_len=args.context + 64, prefill_chunk_tokens=chunk)
+    engine = Engine.from_config(config)
+    service = EngineService(engine, max_waiting=4)
+    try:
+        generator = torch.Generator().manual_seed(0)
+        long_prompt = torch.randint(1, 250, (args.context,), generator=generator).tolist()
+        short = service.submit([5, 6, 7, 8], SamplingParams(max_new_tokens=args.short_tokens))
+        stamps, long_times = [], {}
+        for event in short:
+            stamps.append(time.perf_counter())
+            if len(stamps) == args.warm_tokens:
+                long_times["submitted"] = time.perf_counter()
+                long = service.submit(long_prompt, SamplingParams(max_new_tokens=2))
+                threading.Thread(target=_first_token, args=(long, long_times), daemon=True).start()
+            if event.finish_reason is not None or "first" in long_times and len(stamps) > args.warm_tokens + 8:
+                break
+        while "first" not in long_times:
+            time.sleep(0.01)
+    finally:
+        service.close()
+        engine.shutdown()
+    during = [b - a for a, b in zip(stamps, stamps[1:], strict=False)
+              if b > long_times["submitted"] and a < long_times["first"]]
+    ttft_s = long_times["first"] - long_times["submitted"]
+    return {"chunk_tokens": chunk, "context": args.context, "max_gap_during_prefill_s": max(during, default=None),
+            "median_gap_s": statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False)),
+            "gaps_during_prefill": len(during), "long_ttft_s": ttft_s, "prefill_tok_s": args.context / ttft_s}
+
+
+def _first_token(stream, times: dict) -> None:
+    for _event in stream:
+        times.setdefault("first", time.perf_counter())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny-qwen3-moe")
+    parser.add_argument("--context", type=int, default=32768, help="the long prompt's tokens")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[4096, 32768],
+                        help="prefill_chunk_tokens to compare (the context or more: whole)")
+    parser.add_argument("--warm-tokens", type=int, default=5, help="short-stream tokens before the long prompt")
+    parser.add_argument("--short-tokens", type=int, default=4000, help="the short stream's max_new_tokens")
+    parser.add_argument("--out", default="bench_results/prefill_interleave.json")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = [measure(args, chunk) for chunk in args.chunks]
+    write_json(args.out, {"preset": args.preset, "rows": rows})
+    print("| prefill chunk | context | short stream's largest gap during the prefill | its median gap "
+          "| long prompt's TTFT | prefill tok/s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['chunk_tokens']} | {r['context']} | {r['max_gap_during_prefill_s']:.2f} s | "
+              f"{r['median_gap_s'] * 1e3:.0f} ms | {r['long_ttft_s']:.2f} s | {r['prefill_tok_s']:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
