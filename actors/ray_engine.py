@@ -89,6 +89,7 @@ class RayEngine:
                                            max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
                                            num_shards=len(nodes), window_tokens=config.window_tokens,
                                            pingpong_blocks=config.pingpong_blocks, device=config.device)
+        log.info(cache_config.capacity_line())
         engine_id = secrets.token_hex(4)
         fmt = cache_config.format
         specs = [ChannelSpec(shm_name="named by the owner", owner_pid=0, fd=-1,
@@ -233,6 +234,10 @@ class RayEngine:
 
     def policy_state(self) -> dict:
         return ray.get(self.policy_store.state.remote())
+
+    def host_memory(self) -> dict[str, dict[str, int]]:
+        """Each host KV region's size and resident bytes (RegionOwner.memory)."""
+        return ray.get(self.owner.memory.remote())
 
     def segment_names(self) -> list[str]:
         """The memfd names of this engine's shared memory (no process maps them after shutdown)."""

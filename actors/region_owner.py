@@ -47,6 +47,16 @@ class RegionOwner:
     def pid(self) -> int:
         return os.getpid()
 
+    def memory(self) -> dict[str, dict[str, int]]:
+        """Each KV region's segment: its size and the bytes of it in memory (pages written so far;
+        a memfd's pages are allocated on first touch, in shared memory)."""
+        regions = {f"cpu_compute_{i}": r for i, r in enumerate(self.compute)} | {"cpu_transfer": self.transfer}
+        figures = {}
+        for name, region in regions.items():
+            status = os.fstat(region.handle.fd)
+            figures[name] = {"size_bytes": status.st_size, "resident_bytes": status.st_blocks * 512}
+        return figures
+
     def check_health(self) -> bool:
         """Every segment's descriptor is still open here (a closed owner can no longer be attached)."""
         descriptors = [r.handle.fd for r in [*self.compute, self.transfer]] + [c.fd for c in self.channels]

@@ -231,6 +231,7 @@ class Engine:
         if not isinstance(policy, Policy):  # writescope: a provisional model until calibrate() below
             policy = make_policy(policy, PROVISIONAL_MODEL if calibrate else None)
         cache = InplaceKVCache(cache_config, policy, region_handles=region_handles)
+        log.info(cache_config.capacity_line())
         try:
             engine = cls(model, tokenizer, policy=policy, cache=cache, executor=executor,
                          max_batch_size=max_batch_size, max_seq_len=max_seq_len,

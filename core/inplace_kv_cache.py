@@ -64,6 +64,20 @@ class CacheConfig:
             raise ValueError(f"window_tokens ({self.window_tokens}) must be a multiple of block_size "
                              f"({self.format.block_size}): a full window flushes as whole blocks")
 
+    def capacity_line(self) -> str:
+        """What fits and what it takes: the startup line of an engine."""
+        fmt, gib = self.format, 2**30
+        compute = fmt.nbytes("cpu_compute", self.compute_blocks_per_shard) * self.num_shards
+        transfer = fmt.nbytes("cpu_transfer", self.transfer_blocks)
+        window = fmt.nbytes("gpu_window", self.max_seqs, window_tokens=self.window_tokens)
+        pingpong = 0 if self.transfer_in_place else fmt.nbytes("gpu_pingpong", self.pingpong_blocks)
+        tokens = self.max_blocks_per_seq * fmt.block_size
+        return (f"KV capacity: {self.max_seqs} sequences of up to {tokens} tokens ({self.max_seqs * tokens} in all) "
+                f"under any policy; host regions {(compute + transfer) / gib:.2f} GiB (cpu_compute "
+                f"{compute / gib:.2f} in {self.num_shards} shard(s), cpu_transfer {transfer / gib:.2f}), written "
+                f"pages only in memory; device {(window + pingpong) / gib:.2f} GiB (window {window / gib:.2f}, "
+                f"ping-pong {pingpong / gib:.2f})")
+
 
 @dataclass(frozen=True)
 class Placement:

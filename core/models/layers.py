@@ -83,13 +83,12 @@ def swiglu(x, gate_up, down):
     return F.linear(F.silu(gate) * up, down)
 
 
-def causal_attention(q, k, v, scale, *, query_block: int = 1024):
+def causal_attention(q, k, v, scale):
     """Prefill attention over one sequence. q [T, Hq, Dqk] are the last T of the S positions of k
     [S, Hkv, Dqk] and v [S, Hkv, Dv] (S == T: a whole prompt; S > T: a chunk after a prefix): query i
     sees keys [0, S - T + i]. -> [T, Hq, Dv], in float32, through torch's fused SDPA (memory linear
     in S). V narrower than K (MLA's latent) is zero-padded to K's width so the fused kernel applies;
-    the padding adds zeros only. After a prefix the queries go query_block at a time, each with its
-    [query_block, keys] causal mask, so no mask grows with the prompt."""
+    the padding adds zeros only."""
     dim_v = v.shape[-1]
     if dim_v < k.shape[-1]:
         v = F.pad(v, (0, k.shape[-1] - dim_v))
@@ -97,13 +96,31 @@ def causal_attention(q, k, v, scale, *, query_block: int = 1024):
     offset = k.shape[0] - q.shape[0]
     if offset == 0:
         out = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1)[..., :dim_v]
+    else:
+        out = _chunk_after_prefix(q32, k32, v32, offset, scale)
+    return out[0].transpose(0, 1)[..., :dim_v]
+
+
+def _chunk_after_prefix(q, k, v, offset: int, scale: float) -> torch.Tensor:
+    """q [1, Hq, T, D] after `offset` positions of k, v [1, Hkv, offset + T, D] -> [1, Hq, T, D]: the
+    prefix unmasked and the chunk causally, each through the fused kernel with its log-sum-exp, merged
+    exactly. A causal mask over prefix + chunk would take SDPA's masked path instead, 1.3x slower
+    (measured, 4096 queries after 6K). One kv head at a time: its group's queries fold into one
+    sequence for the prefix (they see the same keys), and only the chunk's keys are repeated."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    num_q, num_kv, length = q.shape[1], k.shape[1], q.shape[2]
+    group = num_q // num_kv
     outs = []
-    for begin in range(0, q.shape[0], query_block):
-        end = min(begin + query_block, q.shape[0])
-        keys = offset + end
-        positions = offset + torch.arange(begin, end, device=q.device)
-        visible = torch.arange(keys, device=q.device)[None, :] <= positions[:, None]  # [queries, keys]
-        outs.append(F.scaled_dot_product_attention(q32[:, :, begin:end], k32[:, :, :keys], v32[:, :, :keys],
-                                                   attn_mask=visible, scale=scale, enable_gqa=True))
-    return torch.cat(outs, dim=2)[0].transpose(0, 1)[..., :dim_v]
+    for h in range(num_kv):
+        q_h = q[:, h * group:(h + 1) * group]  # [1, group, T, D]
+        prefix_out, prefix_lse = flash(q_h.reshape(1, 1, group * length, -1), k[:, h:h + 1, :offset],
+                                       v[:, h:h + 1, :offset], 0.0, False, scale=scale)
+        chunk_k = k[:, h:h + 1, offset:].expand(1, group, length, k.shape[-1])
+        chunk_v = v[:, h:h + 1, offset:].expand(1, group, length, v.shape[-1])
+        chunk_out, chunk_lse = flash(q_h, chunk_k, chunk_v, 0.0, True, scale=scale)
+        prefix_out = prefix_out.reshape(1, group, length, -1)
+        prefix_lse = prefix_lse.reshape(1, group, length)
+        top = torch.maximum(prefix_lse, chunk_lse)
+        w_prefix, w_chunk = torch.exp(prefix_lse - top)[..., None], torch.exp(chunk_lse - top)[..., None]
+        outs.append((w_prefix * prefix_out + w_chunk * chunk_out) / (w_prefix + w_chunk))
+    return torch.cat(outs, dim=1)

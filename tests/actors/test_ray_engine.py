@@ -233,3 +233,22 @@ def test_generate_takes_more_prompts_than_the_queue_limit(ray_cluster):
     finally:
         engine.shutdown()
     assert [len(o.token_ids) for o in outputs] == [2] * 5
+
+
+def test_host_memory_follows_the_kv_written(ray_cluster, tmp_path):
+    """tools/bench_capacity.py on a small batch: the regions' pages in memory are the KV placed (a
+    memfd's pages exist once written), though each region is sized for every sequence."""
+    import json
+
+    from writescope.tools import bench_capacity
+
+    out = tmp_path / "capacity.json"
+    assert bench_capacity.main(["--batch", "2", "--context", "1024", "--new-tokens", "4", "--window-tokens", "64",
+                                "--prefill-chunk-tokens", "256", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    placed = result["placed_tokens"]
+    assert placed["cpu_compute"] == 2 * 1024 and placed["cpu_transfer"] == 0  # all_cpu: every full block
+    assert result["raw_kv_bytes"] == placed["cpu_compute"] * bench_capacity.kv_bytes_per_token("tiny-qwen3-moe")
+    assert result["host_size_bytes"] >= 2 * result["raw_kv_bytes"]  # sized for any policy
+    assert 0.95 <= result["resident_over_raw"] <= 1.3, result["host_regions"]
+    assert result["decode_tok_s"] > 0 and result["prefill_tok_s"] > 0
