@@ -89,6 +89,7 @@ class RayEngine:
                                            max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
                                            num_shards=len(nodes), window_tokens=config.window_tokens,
                                            pingpong_blocks=config.pingpong_blocks, device=config.device)
+        cache_config.check_host_memory(None if config.max_host_kv_gb is None else int(config.max_host_kv_gb * 2**30))
         log.info(cache_config.capacity_line())
         engine_id = secrets.token_hex(4)
         fmt = cache_config.format

@@ -48,6 +48,8 @@ class EngineConfig:
         "cpu_compute shards (default: 1 in one process; one per NUMA node under Ray)"))
     emulated_nodes: int | None = field(default=None, metadata=_help(
         "under Ray: split this machine's CPUs into N emulated NUMA nodes, one CPU worker each"))
+    max_host_kv_gb: float | None = field(default=None, metadata=_help(
+        "host memory (GiB) the KV may take at most (default: what the machine has available)"))
     pingpong_blocks: int | None = field(default=None, metadata=_help(
         "blocks per ping-pong buffer (default: a layer's cpu_transfer blocks, up to 512 MiB)"))
     weights_seed: int = field(default=0, metadata=_help("seed of a preset's random weights"))
@@ -64,6 +66,9 @@ class EngineConfig:
         for name in ("num_shards", "emulated_nodes", "pingpong_blocks"):
             _check_int(name, getattr(self, name), minimum=1, optional=True)
         _check_int("hot_experts", self.hot_experts, minimum=0, optional=True)
+        if self.max_host_kv_gb is not None and (isinstance(self.max_host_kv_gb, bool) or not isinstance(
+                self.max_host_kv_gb, (int, float)) or not self.max_host_kv_gb > 0):
+            raise ValueError(f"max_host_kv_gb must be a number of GiB > 0 or none, got {self.max_host_kv_gb!r}")
         _check_int("weights_seed", self.weights_seed, minimum=0)
         if self.prefill_chunk_tokens % self.block_size:
             raise ValueError(f"prefill_chunk_tokens must be a multiple of block_size {self.block_size}, "
@@ -85,7 +90,9 @@ class EngineConfig:
         their decimal text (`serve run ... max_seq_len=8192`); unknown names are refused."""
         _check_names(values)
         integers = {f.name for f in dataclasses.fields(cls) if "int" in str(f.type)}
-        return cls(**{k: _as_int(k, v) if k in integers else v for k, v in values.items()})
+        numbers = {f.name for f in dataclasses.fields(cls) if "float" in str(f.type)}
+        return cls(**{k: _as_int(k, v) if k in integers else _as_float(k, v) if k in numbers else v
+                      for k, v in values.items()})
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -95,7 +102,7 @@ class EngineConfig:
             if f.name in exclude:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            options = {"type": int if "int" in str(f.type) else str}
+            options = {"type": int if "int" in str(f.type) else float if "float" in str(f.type) else str}
             if f.name == "policy":
                 options["type"] = policy_argument
             elif f.name == "dtype":
@@ -125,6 +132,15 @@ def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> Non
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         allowed = f"an integer >= {minimum}" + (" or none" if optional else "")
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _as_float(name: str, value):
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+    return value
 
 
 def _as_int(name: str, value):

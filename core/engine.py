@@ -206,7 +206,7 @@ class Engine:
                               max_seq_len=config.max_seq_len, block_size=config.block_size,
                               num_shards=config.num_shards, pingpong_blocks=config.pingpong_blocks,
                               prefill_chunk_tokens=config.prefill_chunk_tokens, region_handles=region_handles,
-                              cache_config=cache_config)
+                              cache_config=cache_config, max_host_kv_gb=config.max_host_kv_gb)
 
     @classmethod
     def from_model(cls, model: MoEModel, tokenizer, kv_dtype: torch.dtype, *, policy: str | Policy = "writescope",
@@ -215,7 +215,7 @@ class Engine:
                    block_size: int = EngineConfig.block_size, num_shards: int | None = None,
                    pingpong_blocks: int | None = None,
                    prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens, region_handles=None,
-                   cache_config: CacheConfig | None = None):
+                   cache_config: CacheConfig | None = None, max_host_kv_gb: float | None = None):
         """An engine around a model already built (on its device): a new cache, executor and policy,
         so that several engines can share one model's weights (a sweep over policies, say).
         executor: an executor object, default a LocalExecutor (concurrent beside a GPU)."""
@@ -230,6 +230,8 @@ class Engine:
         calibrate = policy == "writescope"
         if not isinstance(policy, Policy):  # writescope: a provisional model until calibrate() below
             policy = make_policy(policy, PROVISIONAL_MODEL if calibrate else None)
+        if region_handles is None:  # regions made here: they must fit (an owner elsewhere checked its own)
+            cache_config.check_host_memory(None if max_host_kv_gb is None else int(max_host_kv_gb * 2**30))
         cache = InplaceKVCache(cache_config, policy, region_handles=region_handles)
         log.info(cache_config.capacity_line())
         try:

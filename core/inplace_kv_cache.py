@@ -64,6 +64,25 @@ class CacheConfig:
             raise ValueError(f"window_tokens ({self.window_tokens}) must be a multiple of block_size "
                              f"({self.format.block_size}): a full window flushes as whole blocks")
 
+    def kv_bytes_at_most(self) -> int:
+        """Host bytes the placed KV can reach: every admitted token of every sequence in some region.
+        (The two regions together are twice this; only written pages take memory.)"""
+        return self.format.nbytes("cpu_transfer", self.max_seqs * self.max_blocks_per_seq)
+
+    def check_host_memory(self, max_host_kv_bytes: int | None = None) -> None:
+        """ValueError, before anything is allocated, when the KV this cache admits could outgrow the
+        host memory allowed: max_host_kv_bytes, and what the machine has available (a shared-memory
+        page that cannot be had is a SIGBUS later, not an error)."""
+        available, source = host_memory_available()
+        limit, what = (available, source) if max_host_kv_bytes is None or available < max_host_kv_bytes else (
+            max_host_kv_bytes, "max_host_kv_gb")
+        needed, gib = self.kv_bytes_at_most(), 2**30
+        tokens = self.max_blocks_per_seq * self.format.block_size
+        if needed > limit:
+            raise ValueError(f"the KV of {self.max_seqs} sequences of {tokens} tokens can take {needed / gib:.2f} GiB "
+                             f"of host memory; {limit / gib:.2f} GiB is allowed ({what}): lower max_batch_size or "
+                             f"max_seq_len{', or raise max_host_kv_gb' if what == 'max_host_kv_gb' else ''}")
+
     def capacity_line(self) -> str:
         """What fits and what it takes: the startup line of an engine."""
         fmt, gib = self.format, 2**30
@@ -552,6 +571,24 @@ class InplaceKVCache:
 
 
 _TRANSFER = (Region.CPU_TRANSFER, 0)
+
+
+def host_memory_available() -> tuple[int, str]:
+    """(bytes, where the figure comes from): MemAvailable, or less where this process's cgroup
+    allows less (a container's memory limit, which shared memory counts against)."""
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    available, source = int(fields["MemAvailable"].split()[0]) * 1024, "MemAvailable"
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max" and int(limit) - used < available:
+            available, source = int(limit) - used, "the cgroup's memory.max"
+    except (OSError, ValueError):
+        pass  # no cgroup v2 limit to read: MemAvailable it is
+    return available, source
 
 
 def compute_source(region: HostRegion, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor) -> KVSource:

@@ -72,6 +72,9 @@ def test_the_engine_and_its_model_constructor_use_the_config_defaults():
     ({"window_tokens": "many"}, "window_tokens must be an integer, got 'many'"),
     ({"batch": 3}, r"unknown engine config fields \['batch'\]; allowed: model, dtype"),
     ({"model": ""}, "model must be a checkpoint directory or a preset name"),
+    ({"max_host_kv_gb": 0}, "max_host_kv_gb must be a number of GiB > 0 or none, got 0"),
+    ({"max_host_kv_gb": "lots"}, "max_host_kv_gb must be a number, got 'lots'"),
+    ({"prefill_chunk_tokens": 100}, "prefill_chunk_tokens must be a multiple of block_size 16, got 100"),
 ])
 def test_bad_values_name_the_field_and_what_is_allowed(values, message):
     with pytest.raises(ValueError, match=message):
@@ -117,3 +120,13 @@ def test_an_engine_follows_its_config(monkeypatch, tmp_path):
         engine.shutdown()
     with pytest.raises(ValueError, match="max_seq_len must be"):
         Engine.from_pretrained(config=config, max_seq_len=-5)  # keywords replace the config's fields, checked
+
+
+def test_kv_that_could_outgrow_the_host_memory_allowed_is_refused_before_anything_is_allocated():
+    with pytest.raises(ValueError, match=r"8 sequences of 32768 tokens can take 0.25 GiB of host memory; 0.00 GiB "
+                                         r"is allowed \(max_host_kv_gb\): lower max_batch_size or max_seq_len, or "
+                                         r"raise max_host_kv_gb"):
+        Engine.from_pretrained("tiny-mixtral", max_host_kv_gb=0.001)
+    with pytest.raises(ValueError, match=r"can take 3051.76 GiB of host memory; .* GiB is allowed \((MemAvailable|the "
+                                         r"cgroup's memory.max)\): lower max_batch_size or max_seq_len$"):
+        Engine.from_pretrained("tiny-mixtral", max_seq_len=400_000_000)
