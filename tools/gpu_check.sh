@@ -3,8 +3,8 @@
 # extension with the machine's own Python (it has torch, triton, pybind11, pytest, transformers;
 # nothing can be fetched there and it has no Ray), runs the tests marked gpu (compiled Triton on
 # CUDA, engine parity on cuda), the GPU attention benchmark, the end-to-end benchmark on cuda, the
-# split sweep and the mid-run contention on the paper-shaped preset, and the CPU-side suites with
-# CUDA present (pinned regions). Arguments name the steps to run (the
+# split sweep and the mid-run contention on the paper-shaped preset, one 1M-token sequence, and the
+# CPU-side suites with CUDA present (pinned regions). Arguments name the steps to run (the
 # install always runs): `bash tools/gpu_check.sh gpu_tests e2e`. Each step has its own time cap and a
 # failing step does not stop the later ones; $OUT/summary.txt says how each ended.
 set -uo pipefail
@@ -41,6 +41,10 @@ step split 240 python3 tools/bench_split.py --preset qwen3-30b-a3b-shape --devic
     --contexts 32768 131072 --batches 1 --new-tokens 8 --rounds 1 --share-step 0.25 --out "$OUT/split.json"
 step contention 90 python3 tools/bench_contention.py --preset qwen3-30b-a3b-shape --device cuda --hog h2d \
     --context 32768 --batch 1 --steps 60 --hog-step 20 --window-tokens 256 --out "$OUT/contention_h2d.json"
+# One 1M-token sequence, prefilled in 4096-token chunks and decoded with exact attention on the GPU,
+# the KV spilled to the host (window 256, default ping-pong); peak device memory in the JSON.
+step long_sequence 300 python3 tools/bench_long_sequence.py --context 1048576 --new-tokens 16 --device cuda \
+    --policy writescope --out "$OUT/long_sequence_1m.json"
 step cpu_suites_with_cuda 60 python3 -m pytest -q -x -p no:cacheprovider --timeout 60 -m "not gpu and not ray" \
     tests/core/test_kv_regions.py tests/core/test_inplace_kv_cache.py tests/core/test_calibration.py
 exit 0
