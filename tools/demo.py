@@ -19,6 +19,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from writescope.config import EngineConfig
 from writescope.engine import Engine, placement
 from writescope.models.presets import PRESETS
 from writescope.policies import POLICY_NAMES, policy_argument
@@ -28,28 +29,38 @@ log = logging.getLogger("demo")
 
 
 def run_policy(args, policy: str, prompts) -> dict:
+    # Prompts are prefilled a chunk per turn of the engine's loop, between decode steps, so the first
+    # sequences decode while the later ones are prefilled: each may need a token per prefill turn
+    # before the whole batch is resident, then new_tokens decode steps of the whole batch are timed.
+    chunk = EngineConfig.prefill_chunk_tokens
+    max_new_tokens = args.batch * -(-args.context // chunk) + args.new_tokens
     engine = Engine.from_pretrained(args.preset, policy=policy, dtype=args.dtype, max_batch_size=args.batch,
-                                    max_seq_len=args.context + args.new_tokens, window_tokens=args.window,
+                                    max_seq_len=args.context + max_new_tokens, window_tokens=args.window,
                                     emulated_nodes=args.emulated_nodes, executor=args.executor)
     try:
         started = time.perf_counter()
-        shares, placed, first_token_s = [], {}, None
+        shares, placed, prefilled, tokens = [], {}, set(), 0
+        prefill_s = decode_started = None
         bar = tqdm(total=args.batch * args.new_tokens, desc=f"{policy:>12}", unit="tok", leave=True)
-        for _event in engine.generate_stream(prompts, max_new_tokens=args.new_tokens):
-            bar.update(1)
-            if first_token_s is None and bar.n == args.batch:
-                first_token_s = time.perf_counter() - started
+        for event in engine.generate_stream(prompts, max_new_tokens=max_new_tokens):
+            prefilled.add(event.index)
+            if prefill_s is None:
+                if len(prefilled) < args.batch:
+                    continue
+                prefill_s = time.perf_counter() - started  # every sequence has its first token
                 decode_started = time.perf_counter()
-            if bar.n % (args.batch * 8) == 0:  # every 8 decode steps
+                continue
+            tokens += 1
+            bar.update(1)
+            if tokens % (args.batch * 8) == 0:  # every 8 decode steps of the whole batch
                 state = engine.state() if args.executor == "ray" else placement(engine)
-                if state["spilled_tokens"]:  # not after the last sequence finished
-                    shares.append((state["spilled_tokens"], round(state["cpu_share_spilled"], 3)))
-                if sum(state["placed_tokens"].values()):  # not after the last sequence finished
-                    placed = state["placed_tokens"]
-        bar.close()
+                shares.append((state["spilled_tokens"], round(state["cpu_share_spilled"], 3)))
+                placed = state["placed_tokens"]
+            if tokens >= args.batch * args.new_tokens:
+                break  # the timed steps are done (stopping cancels the rest)
         decode_s = time.perf_counter() - decode_started
-        decoded = args.batch * (args.new_tokens - 1)
-        return {"policy": policy, "prefill_s": first_token_s, "decode_tok_s": decoded / decode_s,
+        bar.close()
+        return {"policy": policy, "prefill_s": prefill_s, "decode_tok_s": tokens / decode_s,
                 "r_star_by_spilled_tokens": shares, "placed_tokens": placed}
     finally:
         engine.shutdown()
