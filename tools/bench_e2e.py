@@ -27,6 +27,7 @@ from tqdm import tqdm
 from writescope.engine import Engine
 from writescope.models.presets import PRESETS, preset_config, preset_weights
 from writescope.policies import POLICY_NAMES, policy_argument
+from writescope.tools.bench_split import whole_batch_chunk
 from writescope.tools.results import write_json
 
 log = logging.getLogger("bench_e2e")
@@ -50,8 +51,11 @@ def save_preset(preset: str, path: str) -> None:
 
 
 def engine_tok_s(path, policy, prompts, new_tokens, dtype, device="cpu", executor="local") -> dict:
+    # The whole batch prefilled in one turn (as transformers' generate does), so the events after the
+    # first len(prompts) are whole-batch decode steps.
     engine = Engine.from_pretrained(path, policy=policy, dtype=dtype, max_batch_size=len(prompts),
-                                    max_seq_len=len(prompts[0]) + new_tokens, device=device, executor=executor)
+                                    max_seq_len=len(prompts[0]) + new_tokens, device=device, executor=executor,
+                                    prefill_chunk_tokens=whole_batch_chunk(len(prompts), len(prompts[0]), 16))
     try:
         started, step_ends = time.perf_counter(), []
         for count, _ in enumerate(engine.generate_stream(prompts, max_new_tokens=new_tokens), start=1):

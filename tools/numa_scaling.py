@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from writescope.tools.bench_split import whole_batch_chunk
 from writescope.topology import NumaNode, emulated_topology, pin_process, read_topology
 
 log = logging.getLogger(__name__)
@@ -225,6 +226,7 @@ def decode_tok_s(point: Point, *, preset: str, context: int, batch: int, new_tok
 
     engine = Engine.from_pretrained(preset, policy="all_cpu", executor="ray", dtype="bfloat16",
                                     max_batch_size=batch, max_seq_len=context + new_tokens,
+                                    prefill_chunk_tokens=whole_batch_chunk(batch, context, 16),  # whole-batch steps
                                     executor_options={"nodes": list(point.nodes)})
     try:
         prompts = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(seed)).tolist()
