@@ -91,8 +91,8 @@ class EngineConfig:
         _check_names(values)
         integers = {f.name for f in dataclasses.fields(cls) if "int" in str(f.type)}
         numbers = {f.name for f in dataclasses.fields(cls) if "float" in str(f.type)}
-        return cls(**{k: _as_int(k, v) if k in integers else _as_float(k, v) if k in numbers else v
-                      for k, v in values.items()})
+        return cls(**{k: _parse(k, v, int, "an integer") if k in integers else
+                      _parse(k, v, float, "a number") if k in numbers else v for k, v in values.items()})
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -134,21 +134,13 @@ def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> Non
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def _as_float(name: str, value):
+def _parse(name: str, value, kind: type, what: str):
+    """A value from a config file or the command line: its text parsed as `kind`, else as given."""
     if isinstance(value, str):
         try:
-            return float(value)
+            return kind(value)
         except ValueError:
-            raise ValueError(f"{name} must be a number, got {value!r}") from None
-    return value
-
-
-def _as_int(name: str, value):
-    if isinstance(value, str):
-        try:
-            return int(value)
-        except ValueError:
-            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+            raise ValueError(f"{name} must be {what}, got {value!r}") from None
     return value
 
 

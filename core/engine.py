@@ -478,16 +478,22 @@ class Engine:
         for layer in range(self.config.num_layers):
             q, stored = model.attention_inputs(layer, hidden, rope)  # stored: [chunk, num_kv_heads, dim] each
             self.cache.write_prefill_chunk(request.seq_id, layer, start, *[s.transpose(0, 1) for s in stored])
-            if start:
-                prefix = self.cache.sequence_kv(request.seq_id, layer, start)  # [num_kv_heads, start, dim] each
-                stored = [torch.cat([p.transpose(0, 1).to(device), s]) for p, s in zip(prefix, stored, strict=True)]
-            v = stored[0][..., : self.config.decode_head_dim_v] if self.config.is_mla else stored[1]
-            attention = causal_attention(q, stored[0], v, self.config.attention_scale)
+            prefix = None
+            if start:  # the prompt's KV written so far, head-major [num_kv_heads, start, dim] each
+                written = [p.to(device) for p in self.cache.sequence_kv(request.seq_id, layer, start)]
+                prefix = (written[0], self._values(written))
+            attention = causal_attention(q, stored[0], self._values(stored), self.config.attention_scale,
+                                         prefix=prefix)
             hidden = model.feed_forward(layer, model.attention_output(layer, attention, hidden))
         request.prefilled = end
         if end < len(request.prompt):
             return None
         return self._sample([request], model.logits(hidden[-1:]))[0]
+
+    def _values(self, stored: list[torch.Tensor]) -> torch.Tensor:
+        """V of stored arrays (any layout: V's dims are last): MLA's is the first decode_head_dim_v
+        dims of its latent, inside K."""
+        return stored[0][..., : self.config.decode_head_dim_v] if self.config.is_mla else stored[1]
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()

@@ -98,6 +98,11 @@ class KVFormat:
     def token_bytes_per_layer(self) -> int:
         return self.num_kv_heads * sum(self.stored_dims) * self.itemsize
 
+    @property
+    def token_bytes(self) -> int:
+        """Raw KV bytes of one token in every layer: what a region holds for it."""
+        return self.token_bytes_per_layer * self.num_layers
+
     def shape(self, kind: str, count: int, head_dim: int, *, window_tokens: int = 0,
               array: str = "k") -> tuple[int, ...]:
         """Shape of one stored array (array "k" or "v") of a region; count is blocks, or seqs for the window."""

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from writescope.actors.local_ray import ensure_ray
-from writescope.tools.results import write_json
+from writescope.tools.results import check_positive, write_json
 
 log = logging.getLogger("bench_capacity")
 
@@ -79,8 +79,7 @@ def kv_bytes_per_token(preset: str) -> int:
     from writescope.loading import kv_format, load_model_config
 
     config, torch_dtype = load_model_config(preset, "bfloat16")
-    fmt = kv_format(config, torch_dtype, 16)
-    return fmt.num_layers * fmt.num_kv_heads * sum(fmt.stored_dims) * fmt.itemsize
+    return kv_format(config, torch_dtype, 16).token_bytes
 
 
 def engine_peak_rss(engine) -> int | None:
@@ -107,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk-tokens", type=int, default=4096)
     parser.add_argument("--out", default="bench_results/capacity.json")
     args = parser.parse_args(argv)
-    for name in ("batch", "context", "new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_positive(parser, args, ("batch", "context", "new_tokens"))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = run(args)
     write_json(args.out, result)

@@ -21,7 +21,7 @@ import torch
 
 from writescope.config import EngineConfig
 from writescope.engine import Engine, placement
-from writescope.tools.results import write_json
+from writescope.tools.results import check_positive, write_json
 
 log = logging.getLogger("bench_long_sequence")
 
@@ -55,7 +55,7 @@ def run(args) -> dict:
         decoded = sum(1 for _ in events)
         decode_s = time.perf_counter() - decode_started
         fmt = engine.cache.config.format
-        raw = where["spilled_tokens"] * fmt.num_layers * fmt.num_kv_heads * sum(fmt.stored_dims) * fmt.itemsize
+        raw = where["spilled_tokens"] * fmt.token_bytes
         device_peak = torch.cuda.max_memory_allocated() if args.device.startswith("cuda") else None
         device_kv = engine.cache.device_bytes()
     finally:
@@ -81,9 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-chunk-tokens", type=int, default=4096)
     parser.add_argument("--out", default="bench_results/long_sequence.json")
     args = parser.parse_args(argv)
-    for name in ("context", "new_tokens"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_positive(parser, args, ("context", "new_tokens"))
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = run(args)
     write_json(args.out, result)

@@ -78,7 +78,7 @@ def device_budget(preset: str, device_kv_gb: float | None, block_size: int, batc
         return 256, None
     fmt = preset_config(preset).kv_format("bfloat16", block_size)
     half_bytes = device_kv_gb * 2**30 / 2
-    window = int(half_bytes / (fmt.token_bytes_per_layer * fmt.num_layers) / batch) // block_size * block_size
+    window = int(half_bytes / fmt.token_bytes / batch) // block_size * block_size
     pingpong = int(half_bytes / fmt.nbytes("gpu_pingpong", 1))  # nbytes of one block in both buffers
     return max(block_size, window), max(1, pingpong)
 

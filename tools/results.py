@@ -23,3 +23,10 @@ def host_info() -> dict:
     return {"cpu_model": cpu_model(), "cpus": len(os.sched_getaffinity(0)), "cpu_variant": _cpu.__cpu_variant__,
             "kernel_threads": _cpu.num_threads(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def check_positive(parser, args, names) -> None:
+    """parser.error naming the flag unless each of args' `names` is >= 1."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -83,40 +83,43 @@ def swiglu(x, gate_up, down):
     return F.linear(F.silu(gate) * up, down)
 
 
-def causal_attention(q, k, v, scale):
-    """Prefill attention over one sequence. q [T, Hq, Dqk] are the last T of the S positions of k
-    [S, Hkv, Dqk] and v [S, Hkv, Dv] (S == T: a whole prompt; S > T: a chunk after a prefix): query i
-    sees keys [0, S - T + i]. -> [T, Hq, Dv], in float32, through torch's fused SDPA (memory linear
-    in S). V narrower than K (MLA's latent) is zero-padded to K's width so the fused kernel applies;
-    the padding adds zeros only."""
-    dim_v = v.shape[-1]
-    if dim_v < k.shape[-1]:
-        v = F.pad(v, (0, k.shape[-1] - dim_v))
-    q32, k32, v32 = (t.float().transpose(0, 1)[None] for t in (q, k, v))  # [1, heads, T or S, dim]
-    offset = k.shape[0] - q.shape[0]
-    if offset == 0:
+def causal_attention(q, k, v, scale, prefix=None):
+    """Prefill attention over one sequence. q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv] of the
+    same T positions, causal among them; prefix: (k [Hkv, P, Dqk], v [Hkv, P, Dv]), head-major as the
+    cache reads them back, of the P positions before (a chunked prefill's), which every query sees.
+    -> [T, Hq, Dv], in float32, through torch's fused SDPA (memory linear in P + T). V narrower than
+    K (MLA's latent) is zero-padded to K's width so the fused kernel applies; the padding adds zeros."""
+    dim_qk, dim_v = k.shape[-1], v.shape[-1]
+
+    def padded(values):
+        return F.pad(values, (0, dim_qk - dim_v)) if dim_v < dim_qk else values
+
+    q32, k32, v32 = (t.float().transpose(0, 1)[None] for t in (q, k, padded(v)))  # [1, heads, T, dim]
+    if prefix is None:
         out = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        out = _chunk_after_prefix(q32, k32, v32, offset, scale)
+        k_prefix, v_prefix = prefix[0].float()[None], padded(prefix[1]).float()[None]  # [1, Hkv, P, dim]
+        out = _chunk_after_prefix(q32, k32, v32, k_prefix, v_prefix, scale)
     return out[0].transpose(0, 1)[..., :dim_v]
 
 
-def _chunk_after_prefix(q, k, v, offset: int, scale: float) -> torch.Tensor:
-    """q [1, Hq, T, D] after `offset` positions of k, v [1, Hkv, offset + T, D] -> [1, Hq, T, D]: the
-    prefix unmasked and the chunk causally, each through the fused kernel with its log-sum-exp, merged
-    exactly. A causal mask over prefix + chunk would take SDPA's masked path instead, 1.3x slower
-    (measured, 4096 queries after 6K). One kv head at a time: its group's queries fold into one
-    sequence for the prefix (they see the same keys), and only the chunk's keys are repeated."""
+def _chunk_after_prefix(q, k, v, k_prefix, v_prefix, scale: float) -> torch.Tensor:
+    """q, k, v [1, H, T, D] (k, v with Hkv heads) after k_prefix, v_prefix [1, Hkv, P, D] -> [1, Hq, T,
+    D]: the prefix unmasked and the chunk causally, each through the fused kernel with its
+    log-sum-exp, merged exactly. A causal mask over prefix + chunk would take SDPA's masked path
+    instead, 1.3x slower (measured, 4096 queries after 6K). One kv head at a time: its group's
+    queries fold into one sequence for the prefix (they see the same keys), and only the chunk's
+    keys are repeated."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     num_q, num_kv, length = q.shape[1], k.shape[1], q.shape[2]
     group = num_q // num_kv
     outs = []
     for h in range(num_kv):
         q_h = q[:, h * group:(h + 1) * group]  # [1, group, T, D]
-        prefix_out, prefix_lse = flash(q_h.reshape(1, 1, group * length, -1), k[:, h:h + 1, :offset],
-                                       v[:, h:h + 1, :offset], 0.0, False, scale=scale)
-        chunk_k = k[:, h:h + 1, offset:].expand(1, group, length, k.shape[-1])
-        chunk_v = v[:, h:h + 1, offset:].expand(1, group, length, v.shape[-1])
+        prefix_out, prefix_lse = flash(q_h.reshape(1, 1, group * length, -1), k_prefix[:, h:h + 1],
+                                       v_prefix[:, h:h + 1], 0.0, False, scale=scale)
+        chunk_k = k[:, h:h + 1].expand(1, group, length, k.shape[-1])
+        chunk_v = v[:, h:h + 1].expand(1, group, length, v.shape[-1])
         chunk_out, chunk_lse = flash(q_h, chunk_k, chunk_v, 0.0, True, scale=scale)
         prefix_out = prefix_out.reshape(1, group, length, -1)
         prefix_lse = prefix_lse.reshape(1, group, length)

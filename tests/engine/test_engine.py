@@ -380,3 +380,52 @@ def test_a_request_cancelled_during_its_prefill_stops_at_the_next_chunk_and_free
 def test_bad_prefill_chunks_are_refused(chunk, message):
     with pytest.raises(ValueError, match=message):
         small_engine(prefill_chunk_tokens=chunk)
+
+
+def test_a_request_that_fails_mid_prefill_ends_alone_and_the_running_stream_goes_on(monkeypatch):
+    """A failure in a later chunk of one prompt's prefill (reading its prefix back) ends that request
+    with an error event and frees its KV; the stream decoding beside it keeps its solo tokens."""
+    from collections import deque
+
+    from writescope.sampling import SamplingParams
+
+    engine = small_engine(prefill_chunk_tokens=8)
+    try:
+        solo = engine.generate([list(range(1, 6))], max_new_tokens=12)[0].token_ids
+        short = engine.make_request(0, list(range(1, 6)), SamplingParams(max_new_tokens=12))
+        long = engine.make_request(1, list(range(1, 100)), SamplingParams(max_new_tokens=4))
+        read_back = engine.cache.sequence_kv
+
+        def failing(seq_id, layer, num_tokens=None):
+            if seq_id == long.seq_id and num_tokens == 24:
+                raise RuntimeError("injected: the prefix could not be read")
+            return read_back(seq_id, layer, num_tokens)
+
+        monkeypatch.setattr(engine.cache, "sequence_kv", failing)
+        events = list(engine.run_loop(deque([short, long])))
+        engine.cache.check_integrity()
+    finally:
+        engine.shutdown()
+    errors = [e for e in events if e.index == 1]
+    assert [e.finish_reason for e in errors] == ["error"] and "during its prefill" in errors[0].error
+    assert short.tokens == solo and not engine.cache.seqs
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, dim_v", [(8, 2, 16), (4, 1, 12), (4, 4, 24)])
+def test_a_chunk_after_its_prefix_attends_as_the_whole_prompt_does(num_q_heads, num_kv_heads, dim_v):
+    """causal_attention of a chunk with the prefix given head-major (two fused calls merged by LSE)
+    against torch's causal SDPA over the whole prompt, for the chunk's rows."""
+    from writescope.models.layers import causal_attention
+
+    torch.manual_seed(0)
+    length, dim = 300, 24
+    q, k = torch.randn(length, num_q_heads, dim), torch.randn(length, num_kv_heads, dim)
+    v = torch.randn(length, num_kv_heads, dim_v)
+    v_padded = torch.nn.functional.pad(v, (0, dim - dim_v))  # SDPA's fused path wants V as wide as K
+    whole = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v_padded.transpose(0, 1)[None],
+        is_causal=True, scale=0.2, enable_gqa=True)[0].transpose(0, 1)[..., :dim_v]
+    for start in (16, 160, 284):
+        prefix = (k[:start].transpose(0, 1), v[:start].transpose(0, 1))
+        chunk = causal_attention(q[start:], k[start:], v[start:], 0.2, prefix=prefix)
+        torch.testing.assert_close(chunk, whole[start:], atol=1e-5, rtol=1e-5)
