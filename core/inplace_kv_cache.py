@@ -467,7 +467,6 @@ class InplaceKVCache:
         blocks (what a chunked prefill has written so far); None: every token. For checks and for the
         prefix of a chunked prefill, not the decode step's path."""
         state = self._state(seq_id)
-        parts = [[] for _ in self.config.format.stored_dims]
         fmt = self.config.format
         blocks = state.blocks
         if num_tokens is not None:
@@ -492,13 +491,11 @@ class InplaceKVCache:
                     chosen = array[layer].index_select(1, physical)
                     chosen = from_paired(name, chosen) if fmt.compute_layout == PAIRED else chosen
                 out[:, logical] = chosen
-        for out, array in zip(parts, gathered, strict=True):
-            out.append(array.flatten(1, 2))
-        if num_tokens is None:
-            for out, window in zip(parts, self.window, strict=True):
-                out.append(window[layer, state.slot, :, : state.window_len].cpu())
-        empty = [torch.empty(fmt.num_kv_heads, 0, dim, dtype=fmt.torch_dtype) for dim in fmt.stored_dims]
-        return [torch.cat(out, dim=1) if out else e for out, e in zip(parts, empty, strict=True)]
+        placed = [array.flatten(1, 2) for array in gathered]  # [num_kv_heads, blocks * block_size, dim]
+        if num_tokens is not None:
+            return placed
+        return [torch.cat([p, window[layer, state.slot, :, : state.window_len].cpu()], dim=1)
+                for p, window in zip(placed, self.window, strict=True)]
 
     def device_bytes(self) -> int:
         window = sum(t.numel() * t.element_size() for t in self.window)
