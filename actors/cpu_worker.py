@@ -1,12 +1,12 @@
 """The CPU worker: one Ray actor per NUMA node, computing the CPU partials over its node's
 cpu_compute shard, served over a shared-memory channel (writescope.actors.channel) to the GPU worker.
-On a real (not emulated) NUMA node the shard's pages are bound to the node's memory (mbind) and
-touched before the first KV is written.
+On a real (not emulated) NUMA node the shard's pages lie in the node's memory: the cache binds each
+segment of the shard to the node (mbind) when it commits it, before any KV is written there.
 
 Authoritative state: none. The shard's bytes and the channel's segment live in shared memory owned
 by the region owner, so a worker that crashes loses nothing. Rebuilt on (re)start: the pinning of
-the process and of the kernel's thread pool to the node's CPUs, the attachment (and binding) of the
-shard from its handle, and the channel's listening socket (the GPU worker reconnects and resends).
+the process and of the kernel's thread pool to the node's CPUs, the attachment of the shard from
+its handle, and the channel's listening socket (the GPU worker reconnects and resends).
 """
 
 from __future__ import annotations
@@ -28,11 +28,7 @@ class CPUWorker:
 
         pin_process(node.cpus)  # the threads Ray started before us and the kernel's pool
         self.node = node
-        self.region = HostRegion.attach(shard_handle)
-        if not node.emulated:  # a real node: the shard's pages on its memory, before any KV is written
-            from writescope.numa_memory import bind_to_node
-
-            bind_to_node(self.region.address, self.region.size_bytes, node.index)
+        self.region = HostRegion.attach(shard_handle)  # its segments bound to the node as the cache commits them
         self.server = PartialServer(channel, self._partial, num_layers=self.region.handle.format.num_layers)
 
     def _partial(self, layer, q, block_table, seq_lens, scale):

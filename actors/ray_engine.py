@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -89,7 +90,9 @@ class RayEngine:
                                            max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
                                            num_shards=len(nodes), window_tokens=config.window_tokens,
                                            pingpong_blocks=config.pingpong_blocks, device=config.device)
-        cache_config.check_host_memory(None if config.max_host_kv_gb is None else int(config.max_host_kv_gb * 2**30))
+        cache_config = dataclasses.replace(
+            cache_config.with_host_limit(None if config.max_host_kv_gb is None else int(config.max_host_kv_gb * 2**30)),
+            shard_nodes=None if any(n.emulated for n in nodes) else tuple(n.index for n in nodes))
         log.info(cache_config.capacity_line())
         engine_id = secrets.token_hex(4)
         fmt = cache_config.format

@@ -20,15 +20,13 @@ import ray
 class RegionOwner:
     def __init__(self, cache_config, channel_specs, engine_id: str, pin: bool):
         from writescope.actors.channel import create_segment
-        from writescope.kv_regions import HostRegion
+        from writescope.inplace_kv_cache import create_region
 
-        fmt = cache_config.format
-        self.compute = [HostRegion.create("cpu_compute", fmt, cache_config.compute_blocks_per_shard, shard=s,
-                                          pin=False, label=engine_id)
+        self.compute = [create_region(cache_config, "cpu_compute", shard=s, pin=False, label=engine_id)
                         for s in range(cache_config.num_shards)]
-        # pinned by each process that maps it where CUDA is present (the GPU worker); the flag travels
-        self.transfer = HostRegion.create("cpu_transfer", fmt, cache_config.transfer_blocks, pin=pin,
-                                          label=engine_id)
+        # pinned segment by segment by the process that commits them where CUDA is present (the GPU
+        # worker's cache); the flag travels in the handle
+        self.transfer = create_region(cache_config, "cpu_transfer", pin=pin, label=engine_id)
         made = [create_segment(spec, f"{engine_id}_channel_{i}") for i, spec in enumerate(channel_specs)]
         self.specs = [spec for spec, _ in made]
         self.channels = [segment for _, segment in made]
@@ -48,14 +46,11 @@ class RegionOwner:
         return os.getpid()
 
     def memory(self) -> dict[str, dict[str, int]]:
-        """Each KV region's segment: its size and the bytes of it in memory (pages written so far;
-        a memfd's pages are allocated on first touch, in shared memory)."""
+        """Each KV region: its size (address space) and the bytes of it in memory (the segments the
+        cache committed, and any page written outside them)."""
         regions = {f"cpu_compute_{i}": r for i, r in enumerate(self.compute)} | {"cpu_transfer": self.transfer}
-        figures = {}
-        for name, region in regions.items():
-            status = os.fstat(region.handle.fd)
-            figures[name] = {"size_bytes": status.st_size, "resident_bytes": status.st_blocks * 512}
-        return figures
+        return {name: {"size_bytes": region.size_bytes, "resident_bytes": region.resident_bytes()}
+                for name, region in regions.items()}
 
     def check_health(self) -> bool:
         """Every segment's descriptor is still open here (a closed owner can no longer be attached)."""

@@ -11,14 +11,20 @@ class CapacityError(ValueError):
 
 class BlockAllocator:
     """Hands out block ids in [0, num_blocks), lowest first, so a sequence's blocks tend to be
-    consecutive (one DMA span in cpu_transfer); freed ids are reused."""
+    consecutive (one DMA span in cpu_transfer) and the allocated ids pack into the fewest segments
+    of segment_blocks ids (a region's unit of memory); freed ids are reused. Counts the allocated
+    ids of each segment."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, segment_blocks: int | None = None):
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.segment_blocks = max(num_blocks, 1) if segment_blocks is None else segment_blocks
+        if self.segment_blocks < 1:
+            raise ValueError(f"segment_blocks must be >= 1, got {segment_blocks}")
         self._free = list(range(num_blocks))  # a heap
         self._allocated: set[int] = set()
+        self._segment_use = [0] * -(-num_blocks // self.segment_blocks)
 
     @property
     def num_free(self) -> int:
@@ -36,6 +42,8 @@ class BlockAllocator:
             raise CapacityError(f"asked for {count} blocks, {len(self._free)} of {self.num_blocks} are free")
         blocks = [heapq.heappop(self._free) for _ in range(count)]
         self._allocated.update(blocks)
+        for block in blocks:
+            self._segment_use[block // self.segment_blocks] += 1
         return blocks
 
     def free(self, blocks: list[int]) -> None:
@@ -43,10 +51,22 @@ class BlockAllocator:
             if block not in self._allocated:
                 raise ValueError(f"block {block} is not allocated")
             self._allocated.remove(block)
+            self._segment_use[block // self.segment_blocks] -= 1
             heapq.heappush(self._free, block)
+
+    def segment_of(self, block: int) -> int:
+        return block // self.segment_blocks
+
+    def segment_in_use(self, segment: int) -> bool:
+        """Some block id of the segment is allocated."""
+        return self._segment_use[segment] > 0
 
     def check_integrity(self) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), "a block is free twice"
         assert not free & self._allocated, "a block is both free and allocated"
         assert free | self._allocated == set(range(self.num_blocks)), "a block is lost or out of range"
+        use = [0] * len(self._segment_use)
+        for block in self._allocated:
+            use[block // self.segment_blocks] += 1
+        assert use == self._segment_use, "a segment's count of allocated blocks is off"

@@ -27,7 +27,7 @@ from writescope.block_allocator import CapacityError
 from writescope.config import EngineConfig
 from writescope.executor import LocalExecutor
 from writescope.graph import DecodeGraph, build_decode_graph
-from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
+from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache, host_memory_available
 from writescope.loading import engine_cache_config, load_model
 from writescope.models.config import ModelConfig
 from writescope.models.layers import causal_attention
@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 INVALID_REQUEST = "invalid_request"  # the request itself (a prompt that can never fit): do not retry it
 INTERNAL_ERROR = "internal"  # this request failed inside the engine; the others went on
 UNAVAILABLE = "unavailable"  # the engine failed or restarts: the request did nothing wrong, retry it
+# A chunk of a prefill attends to its prefix read back in pieces of this many chunks: one fused call
+# and one merge per piece, and a piece's float32 copy on the device at a time (8 x 4096 tokens of
+# Qwen3-30B-A3B's 4 kv heads: 128 MiB a layer), whatever the prompt's length.
+PREFIX_PIECES_PER_CHUNK = 8
 
 
 @dataclass
@@ -142,6 +146,9 @@ class Engine:
             raise ValueError(f"prefill_chunk_tokens must be a positive multiple of the block size "
                              f"{cache.block_size}, got {prefill_chunk_tokens}")
         self.prefill_chunk_tokens = prefill_chunk_tokens  # prompt tokens prefilled per turn of the loop
+        self.prefix_piece_tokens = PREFIX_PIECES_PER_CHUNK * prefill_chunk_tokens
+        # neither a chunk nor a prefix piece is longer than a prompt can be
+        _check_chunk_fits(model, min(prefill_chunk_tokens, max_seq_len), min(self.prefix_piece_tokens, max_seq_len))
         self.model = model
         self.config: ModelConfig = model.config
         self.tokenizer = tokenizer
@@ -230,8 +237,8 @@ class Engine:
         calibrate = policy == "writescope"
         if not isinstance(policy, Policy):  # writescope: a provisional model until calibrate() below
             policy = make_policy(policy, PROVISIONAL_MODEL if calibrate else None)
-        if region_handles is None:  # regions made here: they must fit (an owner elsewhere checked its own)
-            cache_config.check_host_memory(None if max_host_kv_gb is None else int(max_host_kv_gb * 2**30))
+        if cache_config.host_kv_bytes is None:  # a driver elsewhere (the Ray one) may have set it already
+            cache_config = cache_config.with_host_limit(None if max_host_kv_gb is None else int(max_host_kv_gb * 2**30))
         cache = InplaceKVCache(cache_config, policy, region_handles=region_handles)
         log.info(cache_config.capacity_line())
         try:
@@ -359,8 +366,7 @@ class Engine:
                 waiting.popleft()
                 yield self._fail(request, f"the request's {len(request.prompt)} prompt tokens and "
                                  f"max_new_tokens={request.max_new_tokens} do not fit this engine's KV "
-                                 f"cache even alone ({self.cache.free_blocks() * self.cache.block_size} "
-                                 f"tokens)", INVALID_REQUEST)
+                                 f"cache even alone: {self.cache.capacity_text()}", INVALID_REQUEST)
                 continue
             waiting.popleft()
             admitted[id(request)] = request
@@ -478,17 +484,22 @@ class Engine:
         for layer in range(self.config.num_layers):
             q, stored = model.attention_inputs(layer, hidden, rope)  # stored: [chunk, num_kv_heads, dim] each
             self.cache.write_prefill_chunk(request.seq_id, layer, start, *[s.transpose(0, 1) for s in stored])
-            prefix = None
-            if start:  # the prompt's KV written so far, head-major [num_kv_heads, start, dim] each
-                written = [p.to(device) for p in self.cache.sequence_kv(request.seq_id, layer, start)]
-                prefix = (written[0], self._values(written))
             attention = causal_attention(q, stored[0], self._values(stored), self.config.attention_scale,
-                                         prefix=prefix)
+                                         prefix=self._prefix_pieces(request, layer, start))
             hidden = model.feed_forward(layer, model.attention_output(layer, attention, hidden))
         request.prefilled = end
         if end < len(request.prompt):
             return None
         return self._sample([request], model.logits(hidden[-1:]))[0]
+
+    def _prefix_pieces(self, request: _Request, layer: int, start: int) -> Iterator[tuple[torch.Tensor, ...]]:
+        """The prompt's KV written before token `start`, read back from its regions a piece of
+        prefix_piece_tokens at a time (head-major (k, v) [num_kv_heads, piece, dim], on the device),
+        so a chunk's memory is bounded by the chunk and one piece, not by the prompt."""
+        for first in range(0, start, self.prefix_piece_tokens):
+            end = min(first + self.prefix_piece_tokens, start)
+            written = [p.to(self.model.device) for p in self.cache.sequence_kv(request.seq_id, layer, end, first)]
+            yield written[0], self._values(written)
 
     def _values(self, stored: list[torch.Tensor]) -> torch.Tensor:
         """V of stored arrays (any layout: V's dims are last): MLA's is the first decode_head_dim_v
@@ -623,6 +634,32 @@ def placement(engine: Engine) -> dict:
         placed["gpu_window"] += state.window_len
     spilled = placed["cpu_compute"] + placed["cpu_transfer"]
     return {"placed_tokens": placed, "spilled_tokens": spilled, "cpu_share_spilled": cache.wanted_share()}
+
+
+def prefill_chunk_bytes(config: ModelConfig, chunk_tokens: int, piece_tokens: int) -> int:
+    """About the device bytes a prefill chunk's live activations take at their peak in one layer (in
+    float32, as the prefill computes): the hidden states and their norms, q/k/v and their float32
+    copies, the MoE's gate/up/activation of the chosen experts (or the dense MLP's), plus one
+    piece of the prefix read back with its float32 copy."""
+    dim_qk, dim_v = config.decode_head_dim_qk, config.decode_head_dim_v
+    qkv = config.num_q_heads * dim_qk + config.num_kv_heads * (dim_qk + dim_v)
+    mlp = 3 * max(config.top_k * config.moe_intermediate_size, config.intermediate_size) + config.num_experts
+    per_token = 4 * (4 * config.hidden_size + 2 * qkv + mlp)
+    per_piece_token = 2 * 4 * config.num_kv_heads * (dim_qk + dim_v)
+    return chunk_tokens * per_token + piece_tokens * per_piece_token
+
+
+def _check_chunk_fits(model: MoEModel, chunk_tokens: int, piece_tokens: int) -> None:
+    """ValueError when a prefill chunk's activations cannot fit the memory free on the model's device."""
+    if model.device.type == "cuda":
+        free, where = torch.cuda.mem_get_info(model.device)[0], f"{model.device} has free"
+    else:
+        free, where = host_memory_available()[0], "the host has available"
+    needed = prefill_chunk_bytes(model.config, chunk_tokens, piece_tokens)
+    if needed > free:
+        raise ValueError(f"prefill_chunk_tokens={chunk_tokens} takes about {needed / 2**30:.2f} GiB of activations "
+                         f"a chunk (with its prefix piece of {piece_tokens} tokens); {where} {free / 2**30:.2f} GiB: "
+                         f"lower prefill_chunk_tokens")
 
 
 EXECUTORS = ("local", "ray")

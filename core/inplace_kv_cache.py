@@ -22,14 +22,14 @@ blocks or tokens in Python.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from writescope.block_allocator import BlockAllocator, CapacityError
 from writescope.block_tables import BlockTables
 from writescope.kv_format import PAIRED, KVFormat, from_paired, to_paired
-from writescope.kv_regions import HostRegion
+from writescope.kv_regions import HostMemoryError, HostRegion, check_segment_blocks
 from writescope.ops import KVSource
 from writescope.pingpong import PingPong, TransferChunk, plan_chunks
 from writescope.policies import Policy, Region
@@ -48,6 +48,10 @@ class CacheConfig:
     max_blocks_per_seq: int | None = None  # None: as many as a region holds
     # None: attend cpu_transfer where it lies when the device is the CPU (a copy there buys nothing)
     transfer_in_place: bool | None = None
+    segment_blocks: int | None = None  # blocks per segment of a host region (None: each region is one)
+    host_kv_bytes: int | None = None  # host memory the KV may take at most (None: what the regions hold)
+    host_limit_source: str = ""  # where host_kv_bytes comes from, for messages
+    shard_nodes: tuple[int, ...] | None = None  # NUMA node of each cpu_compute shard's memory (None: unbound)
 
     def __post_init__(self):
         if self.max_blocks_per_seq is None:
@@ -63,39 +67,78 @@ class CacheConfig:
         if self.window_tokens % self.format.block_size:
             raise ValueError(f"window_tokens ({self.window_tokens}) must be a multiple of block_size "
                              f"({self.format.block_size}): a full window flushes as whole blocks")
+        for kind, blocks in (("cpu_compute", self.compute_blocks_per_shard), ("cpu_transfer", self.transfer_blocks)):
+            check_segment_blocks(self.format, kind, blocks, self.region_segment_blocks(kind))
+        if self.shard_nodes is not None and len(self.shard_nodes) != self.num_shards:
+            raise ValueError(f"shard_nodes {self.shard_nodes} must name one NUMA node per shard ({self.num_shards})")
 
-    def kv_bytes_at_most(self) -> int:
-        """Host bytes the placed KV can reach: every admitted token of every sequence in some region.
-        (The two regions together are twice this; only written pages take memory.)"""
-        return self.format.nbytes("cpu_transfer", self.max_seqs * self.max_blocks_per_seq)
+    def region_blocks(self, kind: str) -> int:
+        return self.compute_blocks_per_shard if kind == "cpu_compute" else self.transfer_blocks
 
-    def check_host_memory(self, max_host_kv_bytes: int | None = None) -> None:
-        """ValueError, before anything is allocated, when the KV this cache admits could outgrow the
-        host memory allowed: max_host_kv_bytes, and what the machine has available (a shared-memory
-        page that cannot be had is a SIGBUS later, not an error)."""
+    def region_segment_blocks(self, kind: str) -> int:
+        return max(self.region_blocks(kind), 1) if self.segment_blocks is None else self.segment_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Host bytes of one block: every layer and stored array (the same in both host regions)."""
+        return self.format.nbytes("cpu_transfer", 1)
+
+    def slack_blocks(self) -> int:
+        """Blocks of host memory committed beyond the placed ones at most, fragmentation aside: per
+        region the segment being filled and one idle segment kept for the next blocks."""
+        regions = [("cpu_compute", s) for s in range(self.num_shards)] + [("cpu_transfer", 0)]
+        return sum(min(2 * self.region_segment_blocks(kind), self.region_blocks(kind)) for kind, _ in regions)
+
+    def host_budget_blocks(self) -> int:
+        """Blocks every live sequence together may place and reserve: what the regions hold, and
+        within host_kv_bytes (less the slack) where a host limit is set."""
+        held = self.num_shards * self.compute_blocks_per_shard + self.transfer_blocks
+        if self.host_kv_bytes is None:
+            return held
+        return max(0, min(held, self.host_kv_bytes // self.block_bytes - self.slack_blocks()))
+
+    def with_host_limit(self, max_host_kv_bytes: int | None = None) -> CacheConfig:
+        """This config under the host limit: max_host_kv_bytes, or what the machine has available
+        where that is less (a shared-memory page that cannot be had would be a SIGBUS later, not an
+        error), each region's address space cut to what the limit can hold. More sequences than fit
+        at once are fine (admission waits, or refuses one that cannot fit alone); ValueError, before
+        anything is allocated, when the limit cannot hold even one sequence of max_blocks_per_seq."""
         available, source = host_memory_available()
-        limit, what = (available, source) if max_host_kv_bytes is None or available < max_host_kv_bytes else (
+        limit, source = (available, source) if max_host_kv_bytes is None or available < max_host_kv_bytes else (
             max_host_kv_bytes, "max_host_kv_gb")
-        needed, gib = self.kv_bytes_at_most(), 2**30
-        tokens = self.max_blocks_per_seq * self.format.block_size
-        if needed > limit:
-            raise ValueError(f"the KV of {self.max_seqs} sequences of {tokens} tokens can take {needed / gib:.2f} GiB "
-                             f"of host memory; {limit / gib:.2f} GiB is allowed ({what}): lower max_batch_size or "
-                             f"max_seq_len{', or raise max_host_kv_gb' if what == 'max_host_kv_gb' else ''}")
+        segment = self.region_segment_blocks("cpu_transfer")
+        most = -(-(limit // self.block_bytes) // segment) * segment  # blocks the limit holds, in whole segments
+        config = replace(self, compute_blocks_per_shard=min(self.compute_blocks_per_shard, most),
+                         transfer_blocks=min(self.transfer_blocks, most), host_kv_bytes=limit, host_limit_source=source)
+        if config.host_budget_blocks() < self.max_blocks_per_seq:
+            gib, slack = 2**30, config.slack_blocks() * self.block_bytes
+            sequence = self.max_blocks_per_seq * self.block_bytes
+            raise ValueError(f"the host KV limit, {limit / gib:.3f} GiB ({source}), cannot hold one sequence of "
+                             f"{self.max_blocks_per_seq * self.format.block_size} tokens: its KV takes "
+                             f"{sequence / gib:.3f} GiB, and the regions' segments being filled or kept (two per "
+                             f"region) up to {slack / gib:.3f} GiB more; lower max_seq_len"
+                             f"{' or raise max_host_kv_gb' if source == 'max_host_kv_gb' else ''}")
+        return config
+
+    def host_tokens(self) -> int:
+        """Tokens the host regions can hold for all sequences together."""
+        return self.host_budget_blocks() * self.format.block_size
 
     def capacity_line(self) -> str:
         """What fits and what it takes: the startup line of an engine."""
-        fmt, gib = self.format, 2**30
-        compute = fmt.nbytes("cpu_compute", self.compute_blocks_per_shard) * self.num_shards
-        transfer = fmt.nbytes("cpu_transfer", self.transfer_blocks)
+        fmt, gib, mib = self.format, 2**30, 2**20
         window = fmt.nbytes("gpu_window", self.max_seqs, window_tokens=self.window_tokens)
         pingpong = 0 if self.transfer_in_place else fmt.nbytes("gpu_pingpong", self.pingpong_blocks)
         tokens = self.max_blocks_per_seq * fmt.block_size
-        return (f"KV capacity: {self.max_seqs} sequences of up to {tokens} tokens ({self.max_seqs * tokens} in all) "
-                f"under any policy; host regions {(compute + transfer) / gib:.2f} GiB (cpu_compute "
-                f"{compute / gib:.2f} in {self.num_shards} shard(s), cpu_transfer {transfer / gib:.2f}), written "
-                f"pages only in memory; device {(window + pingpong) / gib:.2f} GiB (window {window / gib:.2f}, "
-                f"ping-pong {pingpong / gib:.2f})")
+        limit = "none" if self.host_kv_bytes is None else \
+            f"{self.host_kv_bytes / gib:.2f} GiB ({self.host_limit_source})"
+        segment = self.region_segment_blocks("cpu_transfer")
+        return (f"KV capacity: {self.max_seqs} sequences of up to {tokens} tokens; the host holds "
+                f"{self.host_tokens()} tokens of KV in all (host limit {limit}; {self.block_bytes // fmt.block_size} "
+                f"bytes a token); host regions take memory in segments of {segment * fmt.block_size} tokens "
+                f"({segment * self.block_bytes / mib:.1f} MiB) as KV is placed; device {(window + pingpong) / gib:.2f} "
+                f"GiB (window {window / gib:.2f}, ping-pong {pingpong / gib:.2f}) plus {self.window_tokens} "
+                f"window tokens a sequence")
 
 
 @dataclass(frozen=True)
@@ -153,13 +196,16 @@ class InplaceKVCache:
         self.policy = policy
         fmt = config.format
         if region_handles is None:
-            self.compute = [HostRegion.create("cpu_compute", fmt, config.compute_blocks_per_shard, shard=s)
-                            for s in range(config.num_shards)]
-            self.transfer = HostRegion.create("cpu_transfer", fmt, config.transfer_blocks)
+            self.compute = [create_region(config, "cpu_compute", shard=s) for s in range(config.num_shards)]
+            self.transfer = create_region(config, "cpu_transfer")
         else:
             self.compute, self.transfer = _attach_regions(config, *region_handles)
-        self.compute_alloc = [BlockAllocator(config.compute_blocks_per_shard) for _ in range(config.num_shards)]
-        self.transfer_alloc = BlockAllocator(config.transfer_blocks)
+            for region in [*self.compute, self.transfer]:
+                region.release_all()  # nothing in them is live: a new cache commits what it places
+        self.compute_alloc = [BlockAllocator(config.compute_blocks_per_shard,
+                                             config.region_segment_blocks("cpu_compute"))
+                              for _ in range(config.num_shards)]
+        self.transfer_alloc = BlockAllocator(config.transfer_blocks, config.region_segment_blocks("cpu_transfer"))
         self.device = torch.device(config.device)
         window_shapes = [fmt.shape("gpu_window", config.max_seqs, d, window_tokens=config.window_tokens)
                          for d in fmt.stored_dims]
@@ -177,8 +223,11 @@ class InplaceKVCache:
         return self.config.format.block_size
 
     def free_blocks(self) -> int:
+        """Blocks a new sequence may still reserve: free in the regions and within the host budget."""
         reserved = sum(s.reserved_blocks for s in self.seqs.values())
-        return sum(a.num_free for a in self.compute_alloc) + self.transfer_alloc.num_free - reserved
+        placed = sum(len(s.blocks) for s in self.seqs.values())
+        in_regions = sum(a.num_free for a in self.compute_alloc) + self.transfer_alloc.num_free - reserved
+        return min(in_regions, self.config.host_budget_blocks() - placed - reserved)
 
     def blocks_needed(self, max_tokens: int) -> int:
         """Blocks a sequence of max_tokens can ever seal: all but the tokens still in its window."""
@@ -197,22 +246,27 @@ class InplaceKVCache:
             raise CapacityError(f"all {self.config.max_seqs} sequence slots are in use")
         if needed > self.free_blocks():
             raise CapacityError(f"sequence {seq_id!r} needs {needed} blocks for {max_tokens} tokens; "
-                                f"{self.free_blocks()} are free (block_size {self.block_size})")
+                                f"{self.free_blocks()} are free (block_size {self.block_size}) of the "
+                                f"{self.config.host_budget_blocks()} the host holds")
         state = SequenceState(slot=self._free_slots.pop(), prompt_len=prompt_len, max_tokens=max_tokens,
                               num_tokens=prompt_len, reserved_blocks=needed)
         self.seqs[seq_id] = state
         full_blocks = prompt_len // self.block_size
-        self._place(seq_id, full_blocks)
+        try:
+            self._place(seq_id, full_blocks)
+        except HostMemoryError as error:  # nothing written yet: the sequence was never admitted
+            self.finish(seq_id)
+            raise CapacityError(f"sequence {seq_id!r}: {error}") from None
         state.window_len = prompt_len - full_blocks * self.block_size
 
     def finish(self, seq_id) -> None:
         state = self._state(seq_id)
-        for shard, alloc in enumerate(self.compute_alloc):
-            alloc.free([p.block for p in state.blocks if p.region is Region.CPU_COMPUTE and p.shard == shard])
-        self.transfer_alloc.free([p.block for p in state.blocks if p.region is Region.CPU_TRANSFER])
+        self._free(state.blocks)
         self.tables.clear(state.slot)
         self._free_slots.append(state.slot)
         del self.seqs[seq_id]
+        for region, alloc in self._regions():
+            _release_idle_segments(region, alloc)
 
     def close(self) -> None:
         if self.pingpong is not None:
@@ -328,7 +382,13 @@ class InplaceKVCache:
         # would be routed for a load of 0 tokens (where r* is 0, whatever the model says)
         spilled_after = self.spilled_tokens() + count * bs
         regions = self.policy.route_blocks(cpu_tokens, len(state.blocks) * bs, [bs] * count, spilled_after)
-        new = [self._allocate(region) for region in regions]
+        new: list[Placement] = []
+        try:
+            for region in regions:
+                new.append(self._allocate(region))
+        except BaseException:  # a segment that could not be committed: the blocks had so far go back
+            self._free(new)
+            raise
         state.blocks.extend(new)
         for key in [*self._compute_keys(), _TRANSFER]:
             blocks = [p.block for p in new if (p.region, p.shard) == key]
@@ -336,6 +396,11 @@ class InplaceKVCache:
                 self.tables.append(key, state.slot, blocks)
         self.tables.extend_spans(state.slot, [p.block for p in new if p.region is Region.CPU_TRANSFER])
         state.reserved_blocks -= count
+
+    def _free(self, placements: list[Placement]) -> None:
+        for shard, alloc in enumerate(self.compute_alloc):
+            alloc.free([p.block for p in placements if p.region is Region.CPU_COMPUTE and p.shard == shard])
+        self.transfer_alloc.free([p.block for p in placements if p.region is Region.CPU_TRANSFER])
 
     def _allocate(self, preferred: Region) -> Placement:
         # The policy's region is a preference: when it is full, the other region takes the block
@@ -345,7 +410,16 @@ class InplaceKVCache:
         for region in order:
             alloc = self.compute_alloc[shard] if region is Region.CPU_COMPUTE else self.transfer_alloc
             if alloc.can_allocate(1):
-                return Placement(region, shard if region is Region.CPU_COMPUTE else 0, alloc.allocate(1)[0])
+                block = alloc.allocate(1)[0]
+                host = self.compute[shard] if region is Region.CPU_COMPUTE else self.transfer
+                nodes = self.config.shard_nodes
+                node = nodes[shard] if nodes and region is Region.CPU_COMPUTE else None
+                try:  # the block's segment takes memory with its first block
+                    host.commit(alloc.segment_of(block), node)
+                except BaseException:
+                    alloc.free([block])
+                    raise
+                return Placement(region, shard if region is Region.CPU_COMPUTE else 0, block)
         raise AssertionError("admission reserved a block that no region has")
 
     def _write_blocks(self, placements: list[Placement], layers: list[int], rows: list[torch.Tensor]) -> None:
@@ -461,19 +535,21 @@ class InplaceKVCache:
             sources.append(KVSource(k, v, table.to(self.device), source.seq_lens.to(self.device)))
         return sources
 
-    def sequence_kv(self, seq_id, layer: int, num_tokens: int | None = None) -> list[torch.Tensor]:
+    def sequence_kv(self, seq_id, layer: int, num_tokens: int | None = None,
+                    first_token: int = 0) -> list[torch.Tensor]:
         """A copy of a sequence's stored arrays of one layer in logical token order: [num_kv_heads,
-        tokens, dim] each, on the host. num_tokens: only the first ones, a whole number of placed
-        blocks (what a chunked prefill has written so far); None: every token. For checks and for the
-        prefix of a chunked prefill, not the decode step's path."""
+        tokens, dim] each, on the host. num_tokens: only tokens [first_token, num_tokens), whole placed
+        blocks (a piece of what a chunked prefill has written so far); None: every token. For checks
+        and for the prefix of a chunked prefill, not the decode step's path."""
         state = self._state(seq_id)
         fmt = self.config.format
         blocks = state.blocks
         if num_tokens is not None:
-            if num_tokens % self.block_size or num_tokens > len(blocks) * self.block_size:
-                raise ValueError(f"num_tokens={num_tokens} must be a whole number of the sequence's "
+            if num_tokens % self.block_size or num_tokens > len(blocks) * self.block_size or first_token % \
+                    self.block_size or not 0 <= first_token < num_tokens:
+                raise ValueError(f"tokens [{first_token}, {num_tokens}) must be whole blocks among the sequence's "
                                  f"{len(blocks)} placed blocks of {self.block_size}")
-            blocks = blocks[: num_tokens // self.block_size]
+            blocks = blocks[first_token // self.block_size: num_tokens // self.block_size]
         bs = self.block_size
         gathered = [torch.empty(fmt.num_kv_heads, len(blocks), bs, dim, dtype=fmt.torch_dtype)
                     for dim in fmt.stored_dims]
@@ -531,8 +607,33 @@ class InplaceKVCache:
         slots = [s.slot for s in self.seqs.values()]
         assert len(set(slots)) == len(slots) and not set(slots) & set(self._free_slots)
         assert self.free_blocks() >= 0
+        for (region_name, shard, block), seq_id in owned.items():
+            region, alloc = self._regions()[shard if region_name is Region.CPU_COMPUTE else -1]
+            assert alloc.segment_of(block) in region.committed, f"{seq_id!r}: block {block} is in no committed segment"
+        for region, alloc in self._regions():
+            idle = [s for s in region.committed if not alloc.segment_in_use(s)]
+            assert len(idle) <= 1, f"{region.kind}: {len(idle)} idle segments keep memory (one at most)"
+
+    def capacity_text(self) -> str:
+        """What is free, for a refusal: tokens free of the host's, and the host limit."""
+        config = self.config
+        limit = "" if config.host_kv_bytes is None else \
+            f" (host limit {config.host_kv_bytes / 2**30:.2f} GiB, from {config.host_limit_source})"
+        return (f"{self.free_blocks() * self.block_size} tokens of host KV are free of the {config.host_tokens()} "
+                f"it holds{limit}")
+
+    def host_resident_bytes(self) -> int:
+        """Bytes of the host regions in memory now (their committed segments' pages)."""
+        return sum(region.resident_bytes() for region, _ in self._regions())
+
+    def placed_bytes(self) -> int:
+        """Host bytes of the KV placed now: every sealed block of every live sequence."""
+        return sum(len(s.blocks) for s in self.seqs.values()) * self.config.block_bytes
 
     # ---------------------------------------------------------------- helpers
+    def _regions(self) -> list[tuple[HostRegion, BlockAllocator]]:
+        return [*zip(self.compute, self.compute_alloc, strict=True), (self.transfer, self.transfer_alloc)]
+
     def _compute_keys(self) -> list[tuple[Region, int]]:
         return [(Region.CPU_COMPUTE, shard) for shard in range(self.config.num_shards)]
 
@@ -588,6 +689,20 @@ def host_memory_available() -> tuple[int, str]:
     return available, source
 
 
+def create_region(config: CacheConfig, kind: str, shard: int = 0, **options) -> HostRegion:
+    """A host region as config sizes it (options: HostRegion.create's pin and label)."""
+    return HostRegion.create(kind, config.format, config.region_blocks(kind),
+                             segment_blocks=config.region_segment_blocks(kind), shard=shard, **options)
+
+
+def _release_idle_segments(region: HostRegion, alloc: BlockAllocator) -> None:
+    """Segments with no placed block give their memory back, but for the lowest one: the next block
+    placed goes there (lowest id first), without committing memory again."""
+    idle = sorted(s for s in region.committed if not alloc.segment_in_use(s))
+    for index in idle[1:]:
+        region.release(index)
+
+
 def compute_source(region: HostRegion, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor) -> KVSource:
     """One layer of a cpu_compute shard as a paged source, in its own block layout (views, on the host):
     [num_blocks, num_kv_heads, <block layout>] each, with the given table and lengths."""
@@ -602,18 +717,19 @@ def _attach_regions(config: CacheConfig, compute_handles, transfer_handle):
     """Attaches an owner's regions, refusing any whose kind, format or size differs from config."""
     if len(compute_handles) != config.num_shards:
         raise ValueError(f"{len(compute_handles)} cpu_compute handles for {config.num_shards} shards")
-    expected = [("cpu_compute", shard, config.compute_blocks_per_shard) for shard in range(config.num_shards)]
-    expected.append(("cpu_transfer", 0, config.transfer_blocks))
+    expected = [("cpu_compute", shard) for shard in range(config.num_shards)] + [("cpu_transfer", 0)]
     regions = []
     try:
-        for payload, (kind, shard, num_blocks) in zip([*compute_handles, transfer_handle], expected, strict=True):
+        for payload, (kind, shard) in zip([*compute_handles, transfer_handle], expected, strict=True):
             region = HostRegion.attach(payload)
             regions.append(region)
             got = region.handle
-            if (got.kind, got.shard, got.num_blocks, got.format) != (kind, shard, num_blocks, config.format):
+            num_blocks, segment_blocks = config.region_blocks(kind), config.region_segment_blocks(kind)
+            if (got.kind, got.shard, got.num_blocks, got.segment_blocks, got.format) != (
+                    kind, shard, num_blocks, segment_blocks, config.format):
                 raise ValueError(f"region {got.shm_name!r} is {got.kind} shard {got.shard} of {got.num_blocks} "
-                                 f"blocks; this cache needs {kind} shard {shard} of {num_blocks} blocks in "
-                                 f"{config.format}")
+                                 f"blocks in segments of {got.segment_blocks}; this cache needs {kind} shard {shard} "
+                                 f"of {num_blocks} blocks in segments of {segment_blocks} in {config.format}")
     except BaseException:
         for region in regions:
             region.close()

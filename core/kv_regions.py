@@ -10,12 +10,22 @@ kernel allows to processes of the same user; the creator must be alive then (a w
 by Ray re-attaches from the long-lived region owner). Handles are validated on decode and on
 attach: a wrong kind, layout, dtype, size, offset, block id or descriptor is a ValueError, never
 an out-of-bounds access.
+
+A region's memory follows the KV placed in it: its block ids fall in fixed-size segments of
+`segment_blocks` blocks, and a segment takes memory only once committed (by the cache, when it
+places the segment's first block): its pages allocated then (fallocate, so a host out of memory is
+an error, not a SIGBUS on a later write), on the shard's NUMA node and page-locked for DMA where
+that applies, both fixed for as long as the segment is committed. A segment with no placed block
+left may be released: its pages go back to the kernel. No byte ever moves: the mapping spans the
+whole region from the start (address space, not memory), so every process that attached the
+region sees a new segment at once, at the same offsets.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 import secrets
@@ -30,6 +40,9 @@ from writescope.kv_format import HOST_REGIONS, LAYOUTS, KVFormat
 log = logging.getLogger(__name__)
 
 _ALIGN_BYTES = 4096
+# Target bytes of one segment of a region (every layer and stored array of its blocks): large enough
+# that committing one is rare and cheap per byte, small next to a host's memory.
+SEGMENT_BYTES = 16 * 2**20
 _NUMPY_STORAGE = {"bfloat16": np.int16, "float16": np.float16, "float32": np.float32}
 
 
@@ -45,13 +58,15 @@ class Segment:
     freed when the creator has closed it (or died) and every mapping is gone.
     """
 
-    def __init__(self, name: str, mapping: mmap.mmap, size: int, owner_pid: int, fd: int, owned: bool):
+    def __init__(self, name: str, mapping: mmap.mmap, size: int, owner_pid: int, fd: int, owned: bool,
+                 local_fd: int):
         self.name = name
         self.buf = mapping
         self.size = size
         self.owner_pid = owner_pid
         self.fd = fd  # the creator's descriptor number (open in this process only if owned)
         self.owned = owned
+        self._local_fd = local_fd  # open here: the creator's own, or one opened through /proc
 
     @classmethod
     def create(cls, name: str, size: int) -> Segment:
@@ -62,7 +77,7 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(name, mapping, size, os.getpid(), fd, owned=True)
+        return cls(name, mapping, size, os.getpid(), fd, owned=True, local_fd=fd)
 
     @classmethod
     def attach(cls, name: str, owner_pid: int, fd: int, size: int) -> Segment:
@@ -84,23 +99,50 @@ class Segment:
             if actual < size:
                 raise ValueError(f"segment {name!r} holds {actual} bytes, the handle says {size}")
             mapping = mmap.mmap(local_fd, size)
-        finally:
-            os.close(local_fd)  # the mapping keeps the memory
-        return cls(name, mapping, size, owner_pid, fd, owned=False)
+        except BaseException:
+            os.close(local_fd)
+            raise
+        return cls(name, mapping, size, owner_pid, fd, owned=False, local_fd=local_fd)
 
     @property
     def address(self) -> int:
         """Where the segment is mapped in this process (page-aligned)."""
         return np.frombuffer(self.buf, dtype=np.uint8).ctypes.data
 
+    def allocate(self, offset: int, length: int) -> None:
+        """Allocates the pages of [offset, offset + length) now (under the range's NUMA policy, if
+        set); HostMemoryError when the host cannot give them."""
+        try:
+            os.posix_fallocate(self._local_fd, offset, length)
+        except OSError as error:
+            raise HostMemoryError(f"segment {self.name!r}: {length / 2**20:.1f} MiB of host memory could not be "
+                                  f"allocated ({error.strerror}): the host KV limit is above what this machine "
+                                  f"can give; lower max_host_kv_gb") from None
+
+    def release(self, offset: int, length: int) -> None:
+        """Gives the pages of [offset, offset + length) back (they read as zeros after); offset and
+        length page-aligned."""
+        assert offset % mmap.PAGESIZE == 0 and length % mmap.PAGESIZE == 0, (offset, length)
+        self.buf.madvise(mmap.MADV_REMOVE, offset, length)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the segment allocated in memory (by anyone: the pages belong to the segment)."""
+        return os.fstat(self._local_fd).st_blocks * 512
+
     def close(self) -> None:
-        """Unmaps (unless views are still held: the mapping then lives until they go) and, in the
-        creator, closes the descriptor, so the memory goes with the last mapping."""
+        """Unmaps (unless views are still held: the mapping then lives until they go) and closes
+        the descriptor, so the memory goes with the last mapping and the creator's descriptor."""
         with contextlib.suppress(BufferError):
             self.buf.close()
-        if self.owned and self.fd >= 0:
-            os.close(self.fd)
+        if self._local_fd >= 0:
+            os.close(self._local_fd)
+            self._local_fd = -1
+        if self.owned:
             self.fd = -1
+
+
+class HostMemoryError(MemoryError):
+    """The host could not give the pages of a KV segment being committed."""
 
 
 def segment_name(label: str) -> str:
@@ -116,7 +158,8 @@ class RegionHandle:
     fd: int  # that descriptor, in the owner
     shard: int
     num_blocks: int
-    segment_bytes: int
+    segment_blocks: int  # blocks per committed segment of the region (num_blocks is a multiple)
+    segment_bytes: int  # bytes of the shared-memory segment (the memfd), the whole region
     offsets: tuple[int, ...]  # byte offset of each stored array (K, then V unless V is inside K)
     layout: tuple[str, ...]
     format: KVFormat
@@ -137,6 +180,7 @@ class RegionHandle:
             raise ValueError(f"handle shm_name must be a non-empty string, got {self.shm_name!r}")
         if self.shard < 0 or self.num_blocks < 0:
             raise ValueError(f"handle shard ({self.shard}) and num_blocks ({self.num_blocks}) must be >= 0")
+        check_segment_blocks(self.format, self.kind, self.num_blocks, self.segment_blocks)
         if self.owner_pid < 1 or self.fd < 0:
             raise ValueError(f"handle owner_pid ({self.owner_pid}) must be >= 1 and fd ({self.fd}) >= 0")
         stored = self.format.stored_arrays
@@ -172,7 +216,7 @@ class RegionHandle:
         if not isinstance(data, dict) or set(data) != expected:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"a region handle needs the fields {sorted(expected)}, got {got}")
-        ints = ("owner_pid", "fd", "shard", "num_blocks", "segment_bytes")
+        ints = ("owner_pid", "fd", "shard", "num_blocks", "segment_blocks", "segment_bytes")
         if not all(isinstance(data[k], int) for k in ints) or not isinstance(data["pinned"], bool):
             raise ValueError(f"handle fields {ints} must be integers and pinned a bool")
         for key, kind in (("offsets", int), ("block_table", int), ("layout", str)):
@@ -193,12 +237,50 @@ def _array_bytes(fmt: KVFormat, kind: str, num_blocks: int, head_dim: int, array
     return int(np.prod(fmt.shape(kind, num_blocks, head_dim, array=array))) * fmt.itemsize
 
 
+# The axis of block ids in each host region's arrays: the block's bytes follow it contiguously,
+# what precedes it (layers, and kv heads in cpu_compute) repeats once per block id.
+_BLOCK_AXIS = {"cpu_compute": 2, "cpu_transfer": 1}
+
+
+def _run_bytes(fmt: KVFormat, kind: str, head_dim: int, array: str) -> int:
+    """Bytes of one block id's contiguous run in one array (one layer, and one kv head in cpu_compute)."""
+    shape = fmt.shape(kind, 1, head_dim, array=array)
+    return int(np.prod(shape[_BLOCK_AXIS[kind] + 1:])) * fmt.itemsize
+
+
+def segment_blocks_for(fmt: KVFormat, target_bytes: int = SEGMENT_BYTES) -> int:
+    """Blocks per segment: about target_bytes of KV (every layer and stored array), a multiple of the
+    count that makes each of a segment's runs whole pages in both host regions (so a segment can be
+    committed and released without touching its neighbours' pages)."""
+    step = 1
+    for kind in _BLOCK_AXIS:
+        for array, dim in fmt.stored_arrays:
+            run = _run_bytes(fmt, kind, dim, array)
+            step = math.lcm(step, _ALIGN_BYTES // math.gcd(_ALIGN_BYTES, run))
+    return max(step, target_bytes // fmt.nbytes("cpu_transfer", 1) // step * step)
+
+
+def check_segment_blocks(fmt: KVFormat, kind: str, num_blocks: int, segment_blocks: int) -> None:
+    """ValueError unless segment_blocks divides num_blocks and each segment's runs are whole pages
+    (a region of one segment may end inside a page: nothing else lives there)."""
+    if segment_blocks < 1 or num_blocks % segment_blocks:
+        raise ValueError(f"segment_blocks ({segment_blocks}) must be >= 1 and divide num_blocks ({num_blocks})")
+    if num_blocks in (0, segment_blocks):
+        return
+    for array, dim in fmt.stored_arrays:
+        if segment_blocks * _run_bytes(fmt, kind, dim, array) % _ALIGN_BYTES:
+            raise ValueError(f"segment_blocks ({segment_blocks}) cuts {kind}'s {array} runs of "
+                             f"{_run_bytes(fmt, kind, dim, array)} bytes off page boundaries ({_ALIGN_BYTES}); "
+                             f"use a multiple of {segment_blocks_for(fmt, 0)}")
+
+
 class HostRegion:
     """A `cpu_compute` shard or the `cpu_transfer` region in shared memory.
 
     Authoritative state: the bytes of the segment. The creator's close() lets the memory go once
     no process maps it; an attached region's close() only unmaps. Arrays are torch tensors over
-    the mapping (zero-copy).
+    the mapping (zero-copy). Which segments are committed is known to the process that commits
+    them (the cache); pages are the segment's, whoever committed them.
     """
 
     def __init__(self, segment: Segment, handle: RegionHandle):
@@ -207,14 +289,18 @@ class HostRegion:
         self.owner = segment.owned
         self.arrays = [self._view(offset, array, dim)
                        for offset, (array, dim) in zip(handle.offsets, handle.format.stored_arrays, strict=True)]
-        # Page-locking is per mapping: each process that maps a pinned region (the owner, or the GPU
-        # worker attaching it) registers its own view with CUDA, where CUDA is present.
-        self._pinned = handle.pinned and _pin(segment)
+        self.committed: set[int] = set()  # segments committed by this process
+        # Page-locking is per mapping: the process that commits a segment of a pinned region (the
+        # cache's: the GPU worker) registers its own view of it with CUDA, where CUDA is present.
+        self._pinned: dict[int, list[int]] = {}  # segment -> addresses registered with CUDA
 
     @classmethod
-    def create(cls, kind: str, fmt: KVFormat, num_blocks: int, *, shard: int = 0, pin: bool | None = None,
-               label: str = "cache") -> HostRegion:
-        """label names the segment (with kind, shard and a random suffix) in /proc/PID/maps."""
+    def create(cls, kind: str, fmt: KVFormat, num_blocks: int, *, segment_blocks: int | None = None, shard: int = 0,
+               pin: bool | None = None, label: str = "cache") -> HostRegion:
+        """segment_blocks: blocks per segment (None: the region is one segment). label names the
+        segment (with kind, shard and a random suffix) in /proc/PID/maps."""
+        segment_blocks = max(num_blocks, 1) if segment_blocks is None else segment_blocks
+        check_segment_blocks(fmt, kind, num_blocks, segment_blocks)
         offsets, end = [], 0
         for array, dim in fmt.stored_arrays:
             offsets.append(end)
@@ -222,8 +308,9 @@ class HostRegion:
         pin = torch.cuda.is_available() and kind == "cpu_transfer" if pin is None else pin
         segment = Segment.create(segment_name(f"{label}_{kind}_{shard}"), max(end, 1))
         handle = RegionHandle(kind=kind, shm_name=segment.name, owner_pid=segment.owner_pid, fd=segment.fd,
-                              shard=shard, num_blocks=num_blocks, segment_bytes=segment.size, offsets=tuple(offsets),
-                              layout=LAYOUTS[kind], format=fmt, pinned=pin)
+                              shard=shard, num_blocks=num_blocks, segment_blocks=segment_blocks,
+                              segment_bytes=segment.size, offsets=tuple(offsets), layout=LAYOUTS[kind], format=fmt,
+                              pinned=pin)
         return cls(segment, handle)
 
     @classmethod
@@ -232,6 +319,69 @@ class HostRegion:
             handle = RegionHandle.from_bytes(bytes(handle))
         handle.validate()
         return cls(Segment.attach(handle.shm_name, handle.owner_pid, handle.fd, handle.segment_bytes), handle)
+
+    # ---------------------------------------------------------------- segments
+    @property
+    def segment_blocks(self) -> int:
+        return self.handle.segment_blocks
+
+    @property
+    def num_segments(self) -> int:
+        return -(-self.handle.num_blocks // self.segment_blocks)
+
+    def segment_ranges(self, index: int) -> list[tuple[int, int]]:
+        """(byte offset in the mapping, length) of each contiguous run of segment `index`: one per
+        layer (and kv head in cpu_compute) and stored array, adjacent runs joined."""
+        if not 0 <= index < self.num_segments:
+            raise ValueError(f"segment {index} is outside [0, {self.num_segments}) of {self.kind}")
+        fmt, kind, num_blocks = self.handle.format, self.kind, self.handle.num_blocks
+        ranges: list[list[int]] = []
+        for offset, (array, dim) in zip(self.handle.offsets, fmt.stored_arrays, strict=True):
+            run = _run_bytes(fmt, kind, dim, array)
+            outer = int(np.prod(fmt.shape(kind, num_blocks, dim, array=array)[: _BLOCK_AXIS[kind]]))
+            for o in range(outer):
+                start = offset + (o * num_blocks + index * self.segment_blocks) * run
+                if ranges and ranges[-1][0] + ranges[-1][1] == start:
+                    ranges[-1][1] += self.segment_blocks * run
+                else:
+                    ranges.append([start, self.segment_blocks * run])
+        return [(start, length) for start, length in ranges]
+
+    def commit(self, index: int, node: int | None = None) -> None:
+        """Segment `index` takes memory now: its pages bound to NUMA node `node` (None: the kernel's
+        choice), allocated, and page-locked where the region is pinned and CUDA is present."""
+        if index in self.committed:
+            return
+        ranges = self.segment_ranges(index)
+        if node is not None:
+            from writescope.numa_memory import bind_to_node
+
+            for start, length in ranges:
+                bind_to_node(self.address + start, _align(length), node)
+        for start, length in ranges:
+            self._segment.allocate(start, length)
+        if self.handle.pinned and torch.cuda.is_available():
+            self._pinned[index] = [self.address + start for start, length in ranges
+                                   if _pin(self.address + start, _align(length))]
+        self.committed.add(index)
+
+    def release(self, index: int) -> None:
+        """Segment `index` gives its pages back; its blocks must hold nothing anyone will read."""
+        for address in self._pinned.pop(index, []):
+            _unpin(address)
+        for start, length in self.segment_ranges(index):
+            self._segment.release(start, _align(length))
+        self.committed.discard(index)
+
+    def release_all(self) -> None:
+        """Every segment gives its pages back (a cache starting on attached regions: nothing in them
+        is live)."""
+        for index in range(self.num_segments):
+            self.release(index)
+
+    def resident_bytes(self) -> int:
+        """Bytes of the region in memory now (its pages allocated, by any process)."""
+        return self._segment.resident_bytes()
 
     @property
     def kind(self) -> str:
@@ -270,20 +420,20 @@ class HostRegion:
     def close(self) -> None:
         if self._segment is None:
             return
-        if self._pinned:
-            _unpin(self._segment)
+        for addresses in self._pinned.values():
+            for address in addresses:
+                _unpin(address)
+        self._pinned = {}
         self.arrays = []
         self._segment.close()
         self._segment = None
 
 
-def _pin(segment: Segment) -> bool:
-    """Page-locks the segment for the CUDA runtime, so copies from it are true DMA."""
-    if not torch.cuda.is_available():
-        return False
-    result = torch.cuda.cudart().cudaHostRegister(segment.address, segment.size, 0)
+def _pin(address: int, length: int) -> bool:
+    """Page-locks [address, address + length) for the CUDA runtime, so copies from it are true DMA."""
+    result = torch.cuda.cudart().cudaHostRegister(address, length, 0)
     return int(result) == 0
 
 
-def _unpin(segment: Segment) -> None:
-    torch.cuda.cudart().cudaHostUnregister(segment.address)
+def _unpin(address: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)

@@ -11,6 +11,7 @@ import torch
 
 from writescope.inplace_kv_cache import CacheConfig
 from writescope.kv_format import DTYPE_NAMES, DTYPES
+from writescope.kv_regions import segment_blocks_for
 from writescope.models.checkpoint import load_config, load_weights
 from writescope.models.config import ModelConfig
 from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
@@ -75,14 +76,24 @@ PINGPONG_BUFFER_BYTES = 512 * 2**20
 
 def engine_cache_config(config: ModelConfig, torch_dtype, *, block_size: int, max_batch_size: int, max_seq_len: int,
                         num_shards: int, window_tokens: int, pingpong_blocks: int | None, device: str) -> CacheConfig:
-    """Regions sized so that max_batch_size sequences of max_seq_len fit under any policy; ping-pong
-    buffers of pingpong_blocks blocks (None: every transfer block of a layer, up to PINGPONG_BUFFER_BYTES)."""
+    """Regions sized so that max_batch_size sequences of max_seq_len fit under any policy (address
+    space: a region takes memory segment by segment, as KV is placed in it), in whole segments of
+    about SEGMENT_BYTES; ping-pong buffers of pingpong_blocks blocks (None: every transfer block of a
+    layer, up to PINGPONG_BUFFER_BYTES)."""
     fmt = kv_format(config, torch_dtype, block_size)
     blocks_per_seq = -(-max_seq_len // block_size)
     blocks = max_batch_size * blocks_per_seq
+    step = segment_blocks_for(fmt, 0)  # the smallest segment whose runs are whole pages
+    segment_blocks = min(segment_blocks_for(fmt), -(-blocks // step) * step)
     if pingpong_blocks is None:
         pingpong_blocks = PINGPONG_BUFFER_BYTES // (fmt.nbytes("gpu_pingpong", 1) // 2)
-    return CacheConfig(fmt, compute_blocks_per_shard=-(-blocks // num_shards), transfer_blocks=blocks,
-                       max_seqs=max_batch_size, pingpong_blocks=max(1, min(pingpong_blocks, blocks)),
-                       num_shards=num_shards, window_tokens=window_tokens, device=device,
-                       max_blocks_per_seq=blocks_per_seq)
+    return CacheConfig(fmt, compute_blocks_per_shard=_whole(-(-blocks // num_shards), segment_blocks),
+                       transfer_blocks=_whole(blocks, segment_blocks), max_seqs=max_batch_size,
+                       pingpong_blocks=max(1, min(pingpong_blocks, blocks)), num_shards=num_shards,
+                       window_tokens=window_tokens, device=device, max_blocks_per_seq=blocks_per_seq,
+                       segment_blocks=segment_blocks)
+
+
+def _whole(blocks: int, segment_blocks: int) -> int:
+    """blocks rounded up to whole segments."""
+    return -(-blocks // segment_blocks) * segment_blocks

@@ -1,9 +1,10 @@
-"""Placing a mapped range's pages on one NUMA node: mbind(2) with MPOL_BIND, then a first touch.
+"""Placing a mapped range's pages on one NUMA node: mbind(2) with MPOL_BIND.
 
-A CPU worker binds its cpu_compute shard to its node's memory before the first KV is written, so
-its kernel reads local memory. On shared memory (tmpfs) the policy belongs to the shared object,
-so pages faulted in later by any process (the GPU worker writing KV) land on that node too.
-Through the raw system calls (ctypes), so no libnuma is needed.
+The cache binds each segment of a cpu_compute shard to its node's memory when it commits the
+segment, before allocating its pages, so the node's CPU worker reads local memory. On shared
+memory the policy belongs to the shared object, so pages allocated later by any process (the
+segment's fallocate, a first write) land on that node. Through the raw system calls (ctypes), so
+no libnuma is needed.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import ctypes
 import mmap
 import os
 import platform
-
-import numpy as np
 
 MPOL_BIND = 2
 MPOL_MF_MOVE = 1 << 1
@@ -35,8 +34,8 @@ def _numbers() -> tuple[int, int]:
 
 
 def bind_to_node(address: int, length: int, node: int) -> None:
-    """Binds [address, address + length) to NUMA node `node`, moving pages already there, then
-    touches every page so it is allocated now, on that node. address must be page-aligned."""
+    """Binds [address, address + length) to NUMA node `node`, moving pages already there: pages
+    allocated in it from now on come from that node. address must be page-aligned."""
     if address % mmap.PAGESIZE:
         raise ValueError(f"address {address:#x} is not aligned to the page size {mmap.PAGESIZE}")
     if not 0 <= node < 1024:
@@ -48,8 +47,6 @@ def bind_to_node(address: int, length: int, node: int) -> None:
     if result != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"mbind to node {node} failed: {os.strerror(errno)}")
-    pages = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint8)), shape=(length,))
-    int(pages[:: mmap.PAGESIZE].sum())  # a read faults each page in under the policy (shared memory keeps it)
 
 
 def page_nodes(address: int, length: int) -> list[int]:

@@ -6,7 +6,7 @@ memory it takes against the raw bytes of the KV it holds.
 Reported: prefill tok/s (every prompt prefilled, chunked and interleaved as the engine does it: the
 first sequences decode while the later ones are prefilled), decode tok/s of the whole batch over
 --new-tokens steps once every sequence is resident, the KV placed (tokens and raw bytes), each host region's size and
-the bytes of it actually in memory (a memfd's pages exist once written), the peak RSS of the GPU
+the bytes of it actually in memory (its committed segments), the peak RSS of the GPU
 worker and of this driver.
 """
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import resource
 import time
 
@@ -24,12 +23,6 @@ from writescope.engine import Engine, placement
 from writescope.tools.results import check_positive, write_json
 
 log = logging.getLogger("bench_long_sequence")
-
-
-def resident_bytes(engine) -> int:
-    """Bytes of the host regions' segments in memory (a memfd's pages exist once written)."""
-    regions = [*engine.cache.compute, engine.cache.transfer]
-    return sum(os.fstat(r.handle.fd).st_blocks * 512 for r in regions)
 
 
 def run(args) -> dict:
@@ -50,7 +43,7 @@ def run(args) -> dict:
         events = engine.generate_stream([prompt], max_new_tokens=args.new_tokens)
         next(events)  # the first token: the prompt is prefilled
         prefill_s = time.perf_counter() - started
-        where, resident = placement(engine), resident_bytes(engine)
+        where, resident = placement(engine), engine.cache.host_resident_bytes()
         decode_started = time.perf_counter()
         decoded = sum(1 for _ in events)
         decode_s = time.perf_counter() - decode_started

@@ -1,22 +1,27 @@
 """A running stream's inter-token gaps while another request's long prompt is prefilled, with the
-prefill chunked (interleaved with decode steps) or whole, through the Engine API in one process.
+prefill chunked (interleaved with decode steps) or whole: through the Engine API in one process, or
+over HTTP against the Serve app (`--http`: an embedded local Ray, the OpenAI completions route,
+streamed; the times are when the client reads each server-sent event).
 
 For each chunk size: a short request decodes; once it has produced `--warm-tokens`, a request with a
-`--context`-token prompt arrives (EngineService, as callers submit). Reported: the short stream's
-largest gap between two tokens while the long prompt is prefilled, its median gap, the long
-prompt's time to first token and its prefill tok/s.
+`--context`-token prompt arrives (EngineService, as callers submit; or a second HTTP client).
+Reported: the short stream's largest gap between two tokens while the long prompt is prefilled, its
+median gap, the long prompt's time to first token and its prefill tok/s.
 
     python tools/bench_prefill_interleave.py --context 32768 --chunks 4096 32768
+    python tools/bench_prefill_interleave.py --http --context 32768 --chunks 4096 32768
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import statistics
 import threading
 import time
 
+import requests
 import torch
 
 from writescope.config import EngineConfig
@@ -51,12 +56,55 @@ def measure(args, chunk: int) -> dict:
     finally:
         service.close()
         engine.shutdown()
+    return _row(args, chunk, stamps, long_times)
+
+
+def _row(args, chunk: int, stamps: list[float], long_times: dict) -> dict:
     during = [b - a for a, b in zip(stamps, stamps[1:], strict=False)
               if b > long_times["submitted"] and a < long_times["first"]]
     ttft_s = long_times["first"] - long_times["submitted"]
     return {"chunk_tokens": chunk, "context": args.context, "max_gap_during_prefill_s": max(during, default=None),
             "median_gap_s": statistics.median(b - a for a, b in zip(stamps, stamps[1:], strict=False)),
             "gaps_during_prefill": len(during), "long_ttft_s": ttft_s, "prefill_tok_s": args.context / ttft_s}
+
+
+def measure_http(args, chunk: int) -> dict:
+    from writescope.tools.local_serve import local_serve_app
+
+    app_args = {"model": args.preset, "dtype": "bfloat16", "policy": "all_cpu", "max_batch_size": 2,
+                "max_seq_len": args.context + 64, "prefill_chunk_tokens": chunk}
+    long_prompt = torch.randint(1, 250, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
+    stamps, long_times = [], {}
+    with local_serve_app(app_args) as base_url:
+        url = base_url + "/v1/completions"
+        short = {"model": args.preset, "prompt": [5, 6, 7, 8], "max_tokens": args.short_tokens, "stream": True}
+        with requests.post(url, json=short, stream=True, timeout=600) as response:
+            response.raise_for_status()
+            for _chunk in _sse(response):
+                stamps.append(time.perf_counter())
+                if len(stamps) == args.warm_tokens:
+                    long_times["submitted"] = time.perf_counter()
+                    long = {"model": args.preset, "prompt": long_prompt, "max_tokens": 2, "stream": True}
+                    threading.Thread(target=_first_http_token, args=(url, long, long_times), daemon=True).start()
+                if "first" in long_times and len(stamps) > args.warm_tokens + 8:
+                    break
+        while "first" not in long_times:
+            time.sleep(0.01)
+    return _row(args, chunk, stamps, long_times)
+
+
+def _sse(response):
+    """The JSON payloads of a streamed response's `data:` lines, as they arrive."""
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[len("data: "):])
+
+
+def _first_http_token(url: str, body: dict, times: dict) -> None:
+    with requests.post(url, json=body, stream=True, timeout=3600) as response:
+        response.raise_for_status()
+        for _chunk in _sse(response):
+            times.setdefault("first", time.perf_counter())
 
 
 def _first_token(stream, times: dict) -> None:
@@ -72,11 +120,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill_chunk_tokens to compare (the context or more: whole)")
     parser.add_argument("--warm-tokens", type=int, default=5, help="short-stream tokens before the long prompt")
     parser.add_argument("--short-tokens", type=int, default=4000, help="the short stream's max_new_tokens")
-    parser.add_argument("--out", default="bench_results/prefill_interleave.json")
+    parser.add_argument("--http", action="store_true", help="over HTTP against the Serve app (embedded local Ray)")
+    parser.add_argument("--out", default=None, help="default bench_results/prefill_interleave[_http].json")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rows = [measure(args, chunk) for chunk in args.chunks]
-    write_json(args.out, {"preset": args.preset, "rows": rows})
+    rows = [(measure_http if args.http else measure)(args, chunk) for chunk in args.chunks]
+    out = args.out or f"bench_results/prefill_interleave{'_http' if args.http else ''}.json"
+    write_json(out, {"preset": args.preset, "path": "http" if args.http else "engine", "rows": rows})
     print("| prefill chunk | context | short stream's largest gap during the prefill | its median gap "
           "| long prompt's TTFT | prefill tok/s |")
     print("|---|---|---|---|---|---|")

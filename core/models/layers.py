@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
 import torch.nn.functional as F
+
+from writescope import ops
 
 
 def rms_norm(x, weight, eps):
@@ -83,47 +86,60 @@ def swiglu(x, gate_up, down):
     return F.linear(F.silu(gate) * up, down)
 
 
-def causal_attention(q, k, v, scale, prefix=None):
+def causal_attention(q, k, v, scale, prefix=()):
     """Prefill attention over one sequence. q [T, Hq, Dqk], k [T, Hkv, Dqk], v [T, Hkv, Dv] of the
-    same T positions, causal among them; prefix: (k [Hkv, P, Dqk], v [Hkv, P, Dv]), head-major as the
-    cache reads them back, of the P positions before (a chunked prefill's), which every query sees.
-    -> [T, Hq, Dv], in float32, through torch's fused SDPA (memory linear in P + T). V narrower than
-    K (MLA's latent) is zero-padded to K's width so the fused kernel applies; the padding adds zeros."""
+    same T positions, causal among them; prefix: pieces (k [Hkv, P_i, Dqk], v [Hkv, P_i, Dv]),
+    head-major as the cache reads them back, of the positions before (a chunked prefill's), which
+    every query sees: an iterable, so that only one piece need be in memory at a time.
+    -> [T, Hq, Dv], in float32, through torch's fused kernels (memory linear in T and the piece).
+    V narrower than K (MLA's latent) is zero-padded to K's width so the fused kernels apply; the
+    padding adds zeros."""
     dim_qk, dim_v = k.shape[-1], v.shape[-1]
 
     def padded(values):
         return F.pad(values, (0, dim_qk - dim_v)) if dim_v < dim_qk else values
 
     q32, k32, v32 = (t.float().transpose(0, 1)[None] for t in (q, k, padded(v)))  # [1, heads, T, dim]
-    if prefix is None:
+    pieces = iter(prefix)
+    first = next(pieces, None)
+    if first is None:
         out = F.scaled_dot_product_attention(q32, k32, v32, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        k_prefix, v_prefix = prefix[0].float()[None], padded(prefix[1]).float()[None]  # [1, Hkv, P, dim]
-        out = _chunk_after_prefix(q32, k32, v32, k_prefix, v_prefix, scale)
+        pieces = ((k_piece.float()[None], padded(v_piece).float()[None])  # [1, Hkv, P_i, dim]
+                  for k_piece, v_piece in itertools.chain([first], pieces))
+        out = _chunk_after_prefix(q32, k32, v32, pieces, scale)
     return out[0].transpose(0, 1)[..., :dim_v]
 
 
-def _chunk_after_prefix(q, k, v, k_prefix, v_prefix, scale: float) -> torch.Tensor:
-    """q, k, v [1, H, T, D] (k, v with Hkv heads) after k_prefix, v_prefix [1, Hkv, P, D] -> [1, Hq, T,
-    D]: the prefix unmasked and the chunk causally, each through the fused kernel with its
-    log-sum-exp, merged exactly. A causal mask over prefix + chunk would take SDPA's masked path
-    instead, 1.3x slower (measured, 4096 queries after 6K). One kv head at a time: its group's
-    queries fold into one sequence for the prefix (they see the same keys), and only the chunk's
-    keys are repeated."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+def _chunk_after_prefix(q, k, v, prefix_pieces, scale: float) -> torch.Tensor:
+    """q, k, v [1, H, T, D] (k, v with Hkv heads) after the prefix, in pieces k_i, v_i [1, Hkv, P_i, D]
+    -> [1, Hq, T, D]: the chunk causally and each piece unmasked, each through a fused kernel with
+    its log-sum-exp, merged exactly as they come. A causal mask over prefix + chunk would take
+    SDPA's masked path instead, 1.3x slower (measured, 4096 queries after 6K). Per kv head: its
+    group's queries fold into one sequence for the prefix (they see the same keys), and only the
+    chunk's keys are repeated."""
     num_q, num_kv, length = q.shape[1], k.shape[1], q.shape[2]
     group = num_q // num_kv
-    outs = []
+    heads = []  # per kv head: (out [1, group, T, D], lse [1, group, T]) over what is merged so far
     for h in range(num_kv):
-        q_h = q[:, h * group:(h + 1) * group]  # [1, group, T, D]
-        prefix_out, prefix_lse = flash(q_h.reshape(1, 1, group * length, -1), k_prefix[:, h:h + 1],
-                                       v_prefix[:, h:h + 1], 0.0, False, scale=scale)
         chunk_k = k[:, h:h + 1].expand(1, group, length, k.shape[-1])
         chunk_v = v[:, h:h + 1].expand(1, group, length, v.shape[-1])
-        chunk_out, chunk_lse = flash(q_h, chunk_k, chunk_v, 0.0, True, scale=scale)
-        prefix_out = prefix_out.reshape(1, group, length, -1)
-        prefix_lse = prefix_lse.reshape(1, group, length)
-        top = torch.maximum(prefix_lse, chunk_lse)
-        w_prefix, w_chunk = torch.exp(prefix_lse - top)[..., None], torch.exp(chunk_lse - top)[..., None]
-        outs.append((w_prefix * prefix_out + w_chunk * chunk_out) / (w_prefix + w_chunk))
-    return torch.cat(outs, dim=1)
+        heads.append(_attention_with_lse(q[:, h * group:(h + 1) * group], chunk_k, chunk_v, True, scale))
+    for k_piece, v_piece in prefix_pieces:
+        for h in range(num_kv):
+            q_h = q[:, h * group:(h + 1) * group].reshape(1, 1, group * length, -1)
+            out, lse = _attention_with_lse(q_h, k_piece[:, h:h + 1], v_piece[:, h:h + 1], False, scale)
+            heads[h] = ops.merge([heads[h], (out.reshape(1, group, length, -1), lse.reshape(1, group, length))])
+    return torch.cat([out for out, _ in heads], dim=1)
+
+
+def _attention_with_lse(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [1, H, T, D], k, v [1, H, S, D] float32 -> (out [1, H, T, D], lse [1, H, T]), natural log:
+    torch's fused kernel for the device (flash on the CPU, memory-efficient on CUDA, which takes
+    float32; its log-sum-exp may come padded past T)."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, scale=scale)[:2]
+    return out, lse[..., : q.shape[2]]

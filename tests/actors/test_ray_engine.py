@@ -69,8 +69,12 @@ def test_on_real_nodes_each_shard_lives_in_its_nodes_memory(ray_cluster):
     engine = Engine.from_pretrained("tiny-qwen3-moe", policy="all_cpu", executor="ray",
                                     executor_options={"nodes": nodes}, **OPTIONS)
     try:
+        events = engine.generate_stream(PROMPTS, max_new_tokens=8)
+        for _ in range(7):  # into the decode: the shards hold the prompts' KV, read by their workers
+            next(events)
         for node, worker in zip(nodes, engine.cpu_workers, strict=True):
-            assert set(ray.get(worker.shard_page_nodes.remote())) == {node.index}  # every page resident there
+            pages = set(ray.get(worker.shard_page_nodes.remote()))
+            assert node.index in pages and pages <= {node.index, -2}  # on the node, or not allocated (yet)
     finally:
         engine.shutdown()
 
@@ -236,8 +240,8 @@ def test_generate_takes_more_prompts_than_the_queue_limit(ray_cluster):
 
 
 def test_host_memory_follows_the_kv_written(ray_cluster, tmp_path):
-    """tools/bench_capacity.py on a small batch: the regions' pages in memory are the KV placed (a
-    memfd's pages exist once written), though each region is sized for every sequence."""
+    """tools/bench_capacity.py on a small batch: the regions' pages in memory are the KV placed (the
+    segments committed as blocks are placed), though each region is sized for every sequence."""
     import json
 
     from writescope.tools import bench_capacity

@@ -122,11 +122,31 @@ def test_an_engine_follows_its_config(monkeypatch, tmp_path):
         Engine.from_pretrained(config=config, max_seq_len=-5)  # keywords replace the config's fields, checked
 
 
-def test_kv_that_could_outgrow_the_host_memory_allowed_is_refused_before_anything_is_allocated():
-    with pytest.raises(ValueError, match=r"8 sequences of 32768 tokens can take 0.25 GiB of host memory; 0.00 GiB "
-                                         r"is allowed \(max_host_kv_gb\): lower max_batch_size or max_seq_len, or "
-                                         r"raise max_host_kv_gb"):
+def test_a_host_limit_that_cannot_hold_one_sequence_is_refused_before_anything_is_allocated():
+    with pytest.raises(ValueError, match=r"the host KV limit, 0.001 GiB \(max_host_kv_gb\), cannot hold one sequence "
+                                         r"of 32768 tokens: its KV takes 0.031 GiB, .*; lower max_seq_len or raise "
+                                         r"max_host_kv_gb$"):
         Engine.from_pretrained("tiny-mixtral", max_host_kv_gb=0.001)
-    with pytest.raises(ValueError, match=r"can take 3051.76 GiB of host memory; .* GiB is allowed \((MemAvailable|the "
-                                         r"cgroup's memory.max)\): lower max_batch_size or max_seq_len$"):
+    with pytest.raises(ValueError, match=r"\((MemAvailable|the cgroup's memory.max)\), cannot hold one sequence of "
+                                         r"400000000 tokens: its KV takes 381.470 GiB, .*; lower max_seq_len$"):
         Engine.from_pretrained("tiny-mixtral", max_seq_len=400_000_000)
+
+
+def test_more_sequences_than_the_host_limit_holds_start_and_wait_for_each_other(monkeypatch, tmp_path):
+    """8 x 16K would take 0.125 GiB (tiny-mixtral in float32: 1 KiB a token); a limit of 0.1 GiB, less
+    two segments per region, holds two 15K-token sequences at a time: the engine starts and runs all
+    four requests, two at a time."""
+    monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
+    engine = Engine.from_pretrained("tiny-mixtral", policy="all_cpu", max_host_kv_gb=0.1, max_seq_len=16384)
+    try:
+        config = engine.cache.config
+        assert config.host_limit_source == "max_host_kv_gb" and config.host_kv_bytes == int(0.1 * 2**30)
+        assert 2 * 15008 < config.host_tokens() < 3 * 15008
+        order = [(e.index, e.finish_reason or "") for e in engine.generate_stream(["a" * 15000] * 4, max_new_tokens=2)]
+        assert sorted(order) == sorted([(i, "") for i in range(4)] + [(i, "length") for i in range(4)])
+        first_of = {i: order.index((i, "")) for i in range(4)}
+        assert min(first_of[2], first_of[3]) > order.index((0, "length"))  # the third waited for the first two
+        engine.cache.check_integrity()
+        assert engine.cache.host_resident_bytes() <= 2 * config.slack_blocks() * config.block_bytes
+    finally:
+        engine.shutdown()

@@ -1,6 +1,7 @@
 """InplaceKVCache: residency fixed at write, integrity after every operation, exact bytes."""
 
 import contextlib
+import dataclasses
 import hashlib
 
 import pytest
@@ -18,6 +19,9 @@ from writescope.policies import Region, make_policy
 
 GQA = KVFormat(num_layers=2, num_kv_heads=2, head_dim_k=8, head_dim_v=8, block_size=4)
 MLA = KVFormat(num_layers=2, num_kv_heads=1, head_dim_k=12, head_dim_v=8, block_size=4, v_in_k=True)
+# a block of one kv head is a page (16 tokens x 128 x bf16): segments of any number of blocks
+PAGED = KVFormat(num_layers=2, num_kv_heads=2, head_dim_k=128, head_dim_v=128, block_size=16)
+SEGMENTED = {"window_tokens": 16, "segment_blocks": 4}  # 6 segments a cpu_compute shard, 10 in cpu_transfer
 
 
 def make_cache(fmt=GQA, policy=None, **overrides):
@@ -112,11 +116,11 @@ operations = st.lists(
 )
 
 
-@pytest.mark.parametrize("fmt", [GQA, MLA], ids=["gqa", "mla"])
+@pytest.mark.parametrize("fmt,overrides", [(GQA, {}), (MLA, {}), (PAGED, SEGMENTED)], ids=["gqa", "mla", "segmented"])
 @settings(max_examples=30, deadline=None)
 @given(ops_list=operations)
-def test_random_interleavings_keep_every_invariant(fmt, ops_list):
-    with make_cache(fmt) as cache:
+def test_random_interleavings_keep_every_invariant(fmt, overrides, ops_list):
+    with make_cache(fmt, **overrides) as cache:
         shadow = Shadow(cache)
         device_bytes = cache.device_bytes()
         device_ptrs = [t.data_ptr() for t in device_arrays(cache)]
@@ -137,8 +141,54 @@ def test_random_interleavings_keep_every_invariant(fmt, ops_list):
             elif op == "share":  # r* changes: the CPU rate moved
                 cache.policy.estimator.model = cache.policy.model.with_cpu_rate(x)
             shadow.check()
+            if overrides:
+                check_memory_follows_the_placed_kv(cache)
         assert cache.device_bytes() == device_bytes  # GPU memory does not grow with the sequences
         assert [t.data_ptr() for t in device_arrays(cache)] == device_ptrs
+
+
+def check_memory_follows_the_placed_kv(cache):
+    """The host regions hold in memory their committed segments' bytes, no more: the segments of
+    placed blocks and at most one idle segment per region."""
+    config = cache.config
+    segment_bytes = config.segment_blocks * config.block_bytes
+    committed = sum(len(region.committed) for region, _ in cache._regions())
+    assert cache.host_resident_bytes() == committed * segment_bytes
+    used = {(region.kind, region.handle.shard, p.block // config.segment_blocks)
+            for state in cache.seqs.values() for p in state.blocks
+            for region in [cache.compute[p.shard] if p.region is Region.CPU_COMPUTE else cache.transfer]}
+    assert len(used) <= committed <= len(used) + len(cache._regions())
+
+
+def test_a_region_commits_segments_as_blocks_are_placed_and_releases_them_when_freed():
+    with make_cache(PAGED, num_shards=1, policy=make_policy("all_cpu"), **SEGMENTED) as cache:
+        block_bytes = cache.config.block_bytes
+        assert cache.host_resident_bytes() == 0  # address space only, until KV is placed
+        cache.admit("a", 16 * 6, 0)  # 6 blocks: segments 0 and 1 of cpu_compute
+        assert cache.compute[0].committed == {0, 1} and cache.host_resident_bytes() == 8 * block_bytes
+        cache.admit("b", 16 * 3, 0)  # blocks 6..8: segment 1, then 2
+        assert cache.compute[0].committed == {0, 1, 2}
+        cache.finish("b")  # segment 2 is idle: kept, the next blocks go there
+        assert cache.compute[0].committed == {0, 1, 2}
+        cache.finish("a")  # 0, 1 and 2 idle: only the lowest keeps its memory
+        assert cache.compute[0].committed == {0} and cache.host_resident_bytes() == 4 * block_bytes
+        cache.check_integrity()
+
+
+def test_the_host_budget_bounds_admission_and_is_named_when_it_refuses():
+    config = CacheConfig(PAGED, compute_blocks_per_shard=24, transfer_blocks=40, max_seqs=4, pingpong_blocks=3,
+                         window_tokens=16, segment_blocks=4, max_blocks_per_seq=8)
+    limited = dataclasses.replace(config, host_kv_bytes=(16 + 12) * config.block_bytes, host_limit_source="a test")
+    assert limited.slack_blocks() == 16 and limited.host_budget_blocks() == 12
+    with InplaceKVCache(limited, make_policy("writescope", PerfModel(2e-7, 1e-7))) as cache:
+        cache.admit("a", 16 * 8, 0)  # 8 blocks of the 12
+        with pytest.raises(CapacityError, match="needs 8 blocks for 128 tokens; 4 are free .* of the 12 the host "):
+            cache.admit("b", 16 * 8, 0)
+        assert "host limit 0.00 GiB, from a test" in cache.capacity_text()
+        cache.finish("a")
+        cache.admit("b", 16 * 8, 0)
+    with pytest.raises(ValueError, match=r"cannot hold one sequence of 128 tokens"):
+        dataclasses.replace(config, max_blocks_per_seq=8).with_host_limit(20 * config.block_bytes)
 
 
 def test_refused_admission_writes_nothing():
@@ -338,5 +388,7 @@ def test_chunks_out_of_order_or_ending_inside_a_block_are_refused():
             cache.write_prefill_chunk("a", 0, bs, *kv)  # skips the first chunk
         with pytest.raises(ValueError, match=r"got tokens \[0, 1\)"):
             cache.write_prefill_chunk("a", 0, 0, *[a[:, :1] for a in kv])  # ends inside a block
-        with pytest.raises(ValueError, match="must be a whole number"):
+        with pytest.raises(ValueError, match=r"tokens \[0, 1\) must be whole blocks among"):
             cache.sequence_kv("a", 0, 1)
+        with pytest.raises(ValueError, match=r"tokens \[8, 8\) must be whole blocks among"):
+            cache.sequence_kv("a", 0, 8, 8)  # an empty piece

@@ -3,17 +3,21 @@ memory goes with the last process that holds it, whichever way its owner ends.""
 
 import dataclasses
 import hashlib
+import mmap
 import os
 import subprocess
 import sys
 
 import msgpack
+import numpy as np
 import pytest
 import torch
 
 from tests.processes import processes_mapping
 from writescope.kv_format import KVFormat
 from writescope.kv_regions import HostRegion, RegionHandle
+from writescope.numa_memory import page_nodes
+from writescope.topology import read_topology
 
 FMT = KVFormat(num_layers=2, num_kv_heads=2, head_dim_k=16, head_dim_v=8, block_size=4)
 
@@ -76,7 +80,9 @@ def tamper(handle, **changes):
     ({"kind": "gpu_window"}, "not a host region"),
     ({"layout": ["layer", "block", "kv_head", "token", "dim"]}, "does not match"),
     ({"offsets": [0, 100]}, "overlaps the previous array or is not 4096-aligned"),
-    ({"num_blocks": 10_000}, "past the segment|overlaps the previous array"),
+    ({"num_blocks": 9999, "segment_blocks": 9999}, "past the segment|overlaps the previous array"),
+    ({"segment_blocks": 2}, r"segment_blocks \(2\) must be >= 1 and divide num_blocks \(3\)"),
+    ({"segment_blocks": 0}, r"segment_blocks \(0\) must be >= 1"),
     ({"segment_bytes": 1 << 40}, "holds .* bytes, the handle says"),
     ({"block_table": [0, 3]}, r"block_table holds \[3\]"),
     ({"shm_name": "writescope_no_such_segment"}, "not segment 'writescope_no_such_segment'"),
@@ -146,3 +152,53 @@ def test_a_killed_owners_region_lives_while_mapped_and_is_gone_with_its_last_use
             HostRegion.attach(handle)
     finally:
         owner.kill()
+
+
+PAGED = KVFormat(num_layers=2, num_kv_heads=2, head_dim_k=128, head_dim_v=64, block_size=16)
+
+
+@pytest.mark.parametrize("kind", ["cpu_compute", "cpu_transfer"])
+def test_a_segments_runs_hold_exactly_its_blocks_in_every_layer_and_array(kind):
+    region = HostRegion.create(kind, PAGED, 12, segment_blocks=4)
+    try:
+        for array in region.arrays:  # every byte of block b holds b + 1, written through the tensor views
+            ids = array.view(torch.int16)
+            for block in range(12):
+                (ids[:, :, block] if kind == "cpu_compute" else ids[:, block]).fill_(block + 1)
+        raw = np.frombuffer(region._segment.buf, np.uint8)
+        covered = 0
+        for segment in range(3):
+            values = set()
+            for start, length in region.segment_ranges(segment):
+                assert start % mmap.PAGESIZE == 0 and length % mmap.PAGESIZE == 0
+                values |= set(np.unique(raw[start:start + length].view(np.int16)).tolist())
+                covered += length
+            assert values == {4 * segment + 1, 4 * segment + 2, 4 * segment + 3, 4 * segment + 4}
+        assert covered == PAGED.nbytes(kind, 12)
+    finally:
+        region.close()
+
+
+def test_a_segment_committed_through_any_mapping_takes_memory_and_gives_it_back_when_released():
+    owner = HostRegion.create("cpu_transfer", PAGED, 12, segment_blocks=4)
+    attached = HostRegion.attach(owner.handle.to_bytes())  # another mapping and descriptor, as a worker's
+    try:
+        segment_bytes = 4 * PAGED.nbytes("cpu_transfer", 1)
+        assert owner.resident_bytes() == 0
+        attached.commit(1, node=read_topology()[0].index)
+        assert owner.resident_bytes() == segment_bytes and attached.committed == {1}
+        owner.k[0, 4:8].fill_(2.0)
+        assert attached.k[0, 4:8].float().eq(2.0).all()  # read here: the pages are now mapped here too
+        start, length = attached.segment_ranges(1)[0]
+        assert set(page_nodes(attached.address + start, length)) == {read_topology()[0].index}
+        attached.release(1)
+        assert owner.resident_bytes() == 0 and owner.k[0, 4:8].float().eq(0).all()  # given back: zeros
+    finally:
+        attached.close()
+        owner.close()
+
+
+def test_segments_that_cut_pages_are_refused_with_the_multiple_allowed():
+    with pytest.raises(ValueError, match=r"segment_blocks \(2\) cuts cpu_compute's k runs of 128 bytes off page "
+                                         r"boundaries \(4096\); use a multiple of 64"):
+        HostRegion.create("cpu_compute", FMT, 4, segment_blocks=2)

@@ -24,6 +24,8 @@ def test_bound_pages_are_resident_on_the_node(segment):
     assert set(page_nodes(address, shm.size)) == {-2}  # nothing touched yet: -ENOENT
     node = read_topology()[-1].index
     bind_to_node(address, shm.size, node)
+    assert set(page_nodes(address, shm.size)) == {-2}  # binding allocates nothing
+    np.frombuffer(shm.buf, np.uint8)[:: mmap.PAGESIZE] = 1  # first writes allocate under the policy
     assert set(page_nodes(address, shm.size)) == {node}
 
 

@@ -375,11 +375,38 @@ def test_a_request_cancelled_during_its_prefill_stops_at_the_next_chunk_and_free
         engine.shutdown()
 
 
+@pytest.mark.parametrize("preset", list(TINY_PRESETS))
+def test_a_prompt_prefilled_in_chunks_after_a_prefix_read_in_pieces_decodes_as_one_prefilled_whole(preset):
+    """8-token chunks attend to their prefix read back in pieces of 64 tokens (a 200-token prompt:
+    up to four pieces a chunk): the same tokens and logits as one whole-prompt prefill."""
+    prompt = [(7 * i) % 250 + 1 for i in range(200)]
+    outputs = []
+    for chunk in (8, 256):
+        engine = small_engine(preset, prefill_chunk_tokens=chunk)
+        try:
+            assert engine.prefix_piece_tokens == 8 * chunk
+            outputs.append(engine.generate([prompt], max_new_tokens=6, return_logits=True)[0])
+        finally:
+            engine.shutdown()
+    pieces, whole = outputs
+    assert pieces.token_ids == whole.token_ids
+    torch.testing.assert_close(pieces.logits, whole.logits, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("chunk, message", [(0, "prefill_chunk_tokens must be an integer >= 1"),
                                             (6, "prefill_chunk_tokens must be a multiple of block_size 4")])
 def test_bad_prefill_chunks_are_refused(chunk, message):
     with pytest.raises(ValueError, match=message):
         small_engine(prefill_chunk_tokens=chunk)
+
+
+def test_a_prefill_chunk_beyond_the_devices_memory_is_refused_with_both_figures():
+    """4M-token chunks of tiny-qwen3-moe (about 8 KiB of float32 activations a token: 32 GiB a chunk)
+    on a host with less available; its KV alone (4 GiB) would fit."""
+    with pytest.raises(ValueError, match=r"prefill_chunk_tokens=4194304 takes about 3\d\.\d\d GiB of activations a "
+                                         r"chunk .*; the host has available \d+\.\d\d GiB: lower prefill_chunk_tokens"):
+        Engine.from_pretrained("tiny-qwen3-moe", policy="all_cpu", max_batch_size=1, max_seq_len=2**22,
+                               prefill_chunk_tokens=2**22)
 
 
 def test_a_request_that_fails_mid_prefill_ends_alone_and_the_running_stream_goes_on(monkeypatch):
@@ -396,10 +423,10 @@ def test_a_request_that_fails_mid_prefill_ends_alone_and_the_running_stream_goes
         long = engine.make_request(1, list(range(1, 100)), SamplingParams(max_new_tokens=4))
         read_back = engine.cache.sequence_kv
 
-        def failing(seq_id, layer, num_tokens=None):
+        def failing(seq_id, layer, num_tokens=None, first_token=0):
             if seq_id == long.seq_id and num_tokens == 24:
                 raise RuntimeError("injected: the prefix could not be read")
-            return read_back(seq_id, layer, num_tokens)
+            return read_back(seq_id, layer, num_tokens, first_token)
 
         monkeypatch.setattr(engine.cache, "sequence_kv", failing)
         events = list(engine.run_loop(deque([short, long])))
@@ -426,6 +453,8 @@ def test_a_chunk_after_its_prefix_attends_as_the_whole_prompt_does(num_q_heads, 
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v_padded.transpose(0, 1)[None],
         is_causal=True, scale=0.2, enable_gqa=True)[0].transpose(0, 1)[..., :dim_v]
     for start in (16, 160, 284):
-        prefix = (k[:start].transpose(0, 1), v[:start].transpose(0, 1))
-        chunk = causal_attention(q[start:], k[start:], v[start:], 0.2, prefix=prefix)
-        torch.testing.assert_close(chunk, whole[start:], atol=1e-5, rtol=1e-5)
+        for piece in (start, 48):  # the prefix in one piece, and read back in pieces of 48 (the last shorter)
+            cuts = [*range(0, start, piece), start]
+            prefix = [(k[a:b].transpose(0, 1), v[a:b].transpose(0, 1)) for a, b in zip(cuts, cuts[1:], strict=False)]
+            chunk = causal_attention(q[start:], k[start:], v[start:], 0.2, prefix=iter(prefix))
+            torch.testing.assert_close(chunk, whole[start:], atol=1e-5, rtol=1e-5)
