@@ -92,7 +92,8 @@ class CacheConfig:
     def host_budget_blocks(self) -> int:
         """Blocks every live sequence together may place and reserve: what the regions hold, and
         within host_kv_bytes (less the slack) where a host limit is set."""
-        held = self.num_shards * self.compute_blocks_per_shard + self.transfer_blocks
+        held = min(self.num_shards * self.compute_blocks_per_shard + self.transfer_blocks,
+                   self.max_seqs * self.max_blocks_per_seq)  # what the regions hold, what admission can reserve
         if self.host_kv_bytes is None:
             return held
         return max(0, min(held, self.host_kv_bytes // self.block_bytes - self.slack_blocks()))
@@ -129,16 +130,15 @@ class CacheConfig:
         fmt, gib, mib = self.format, 2**30, 2**20
         window = fmt.nbytes("gpu_window", self.max_seqs, window_tokens=self.window_tokens)
         pingpong = 0 if self.transfer_in_place else fmt.nbytes("gpu_pingpong", self.pingpong_blocks)
-        tokens = self.max_blocks_per_seq * fmt.block_size
         limit = "none" if self.host_kv_bytes is None else \
-            f"{self.host_kv_bytes / gib:.2f} GiB ({self.host_limit_source})"
+            f"{self.host_kv_bytes / gib:.2f} GiB, from {self.host_limit_source}"
         segment = self.region_segment_blocks("cpu_transfer")
-        return (f"KV capacity: {self.max_seqs} sequences of up to {tokens} tokens; the host holds "
-                f"{self.host_tokens()} tokens of KV in all (host limit {limit}; {self.block_bytes // fmt.block_size} "
-                f"bytes a token); host regions take memory in segments of {segment * fmt.block_size} tokens "
+        return (f"KV capacity: {self.max_seqs} sequences of up to {self.max_blocks_per_seq * fmt.block_size} tokens, "
+                f"{self.host_tokens()} tokens of host KV in all ({self.block_bytes // fmt.block_size} bytes a token; "
+                f"host limit {limit}); host regions take memory in segments of {segment * fmt.block_size} tokens "
                 f"({segment * self.block_bytes / mib:.1f} MiB) as KV is placed; device {(window + pingpong) / gib:.2f} "
-                f"GiB (window {window / gib:.2f}, ping-pong {pingpong / gib:.2f}) plus {self.window_tokens} "
-                f"window tokens a sequence")
+                f"GiB: a window of {self.window_tokens} tokens a sequence ({window / gib:.2f} GiB), ping-pong "
+                f"{pingpong / gib:.2f} GiB")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,23 @@
+"""tools/bench_prefill_interleave.py --http on a short context, against the Serve app on the session's
+real local Ray through a real HTTP client: with chunks, the running stream's server-sent events keep
+coming during the long prefill; whole, it waits for all of it."""
+
+import json
+
+import pytest
+
+from writescope.tools import bench_prefill_interleave as bench
+
+pytestmark = pytest.mark.ray
+
+
+def test_over_http_a_running_stream_gets_tokens_during_another_requests_prefill(ray_cluster, tmp_path):
+    out = tmp_path / "interleave_http.json"
+    assert bench.main(["--http", "--context", "1024", "--chunks", "64", "1024", "--warm-tokens", "3",
+                       "--short-tokens", "400", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["path"] == "http"
+    chunked, whole = result["rows"]
+    assert chunked["gaps_during_prefill"] >= 8  # about a token per chunk (16 chunks of 64)
+    assert whole["gaps_during_prefill"] <= 3  # one stall (and the gaps it began and ended in)
+    assert chunked["prefill_tok_s"] > 0 and whole["long_ttft_s"] > 0
