@@ -265,8 +265,6 @@ class InplaceKVCache:
         self.tables.clear(state.slot)
         self._free_slots.append(state.slot)
         del self.seqs[seq_id]
-        for region, alloc in self._regions():
-            _release_idle_segments(region, alloc)
 
     def close(self) -> None:
         if self.pingpong is not None:
@@ -398,9 +396,12 @@ class InplaceKVCache:
         state.reserved_blocks -= count
 
     def _free(self, placements: list[Placement]) -> None:
+        """The blocks go back to their allocators, and segments left idle give back their memory."""
         for shard, alloc in enumerate(self.compute_alloc):
             alloc.free([p.block for p in placements if p.region is Region.CPU_COMPUTE and p.shard == shard])
         self.transfer_alloc.free([p.block for p in placements if p.region is Region.CPU_TRANSFER])
+        for region, alloc in self._regions():
+            _release_idle_segments(region, alloc)
 
     def _allocate(self, preferred: Region) -> Placement:
         # The policy's region is a preference: when it is full, the other region takes the block

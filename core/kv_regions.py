@@ -358,8 +358,13 @@ class HostRegion:
 
             for start, length in ranges:
                 bind_to_node(self.address + start, _align(length), node)
-        for start, length in ranges:
-            self._segment.allocate(start, length)
+        try:
+            for start, length in ranges:
+                self._segment.allocate(start, length)
+        except HostMemoryError:  # the runs allocated so far go back: the segment stays uncommitted
+            for start, length in ranges:
+                self._segment.release(start, _align(length))
+            raise
         if self.handle.pinned and torch.cuda.is_available():
             self._pinned[index] = [self.address + start for start, length in ranges
                                    if _pin(self.address + start, _align(length))]
