@@ -53,8 +53,9 @@ def test_calibration_times_both_sides_at_each_length_and_fits_them(engine, cache
               for t in timings]
     expected = min(hidden) if min(hidden) >= calibration.OVERLAP_NOISE else 0.0
     assert model.overlap == pytest.approx(expected)  # shown at every length, above the noise
-    assert not engine.cache.seqs and engine.cache.free_blocks() == engine.cache.config.transfer_blocks + \
-        engine.cache.config.compute_blocks_per_shard  # every calibration block given back
+    allocators = [engine.cache.transfer_alloc, *engine.cache.compute_alloc]
+    assert not engine.cache.seqs and all(a.num_free == a.num_blocks for a in allocators)  # every block given back
+    assert engine.cache.free_blocks() == engine.cache.config.host_budget_blocks()
     assert engine.policy.name == "all_cpu" and engine.cache.policy is engine.policy  # placement restored
 
 

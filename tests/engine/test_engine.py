@@ -130,8 +130,9 @@ def test_bad_requests_are_refused_and_the_engine_stays_usable():
             engine.generate([[1, 2, 999]])
         with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1"):
             engine.generate(["x"], max_new_tokens=0)
-        assert not engine.cache.seqs and engine.cache.free_blocks() == engine.cache.transfer_alloc.num_blocks + \
-            sum(a.num_blocks for a in engine.cache.compute_alloc)
+        allocators = [engine.cache.transfer_alloc, *engine.cache.compute_alloc]
+        assert not engine.cache.seqs and all(a.num_free == a.num_blocks for a in allocators)  # nothing held
+        assert engine.cache.free_blocks() == engine.cache.config.host_budget_blocks()
         assert len(engine.generate(["still works"], max_new_tokens=3)[0].token_ids) == 3
     finally:
         engine.shutdown()
