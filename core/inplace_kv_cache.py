@@ -608,10 +608,11 @@ class InplaceKVCache:
         slots = [s.slot for s in self.seqs.values()]
         assert len(set(slots)) == len(slots) and not set(slots) & set(self._free_slots)
         assert self.free_blocks() >= 0
+        regions = self._regions()
         for (region_name, shard, block), seq_id in owned.items():
-            region, alloc = self._regions()[shard if region_name is Region.CPU_COMPUTE else -1]
+            region, alloc = regions[shard if region_name is Region.CPU_COMPUTE else -1]
             assert alloc.segment_of(block) in region.committed, f"{seq_id!r}: block {block} is in no committed segment"
-        for region, alloc in self._regions():
+        for region, alloc in regions:
             idle = [s for s in region.committed if not alloc.segment_in_use(s)]
             assert len(idle) <= 1, f"{region.kind}: {len(idle)} idle segments keep memory (one at most)"
 

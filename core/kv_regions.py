@@ -379,10 +379,16 @@ class HostRegion:
         self.committed.discard(index)
 
     def release_all(self) -> None:
-        """Every segment gives its pages back (a cache starting on attached regions: nothing in them
-        is live)."""
-        for index in range(self.num_segments):
-            self.release(index)
+        """Every page of the region goes back, in one call (a cache starting on attached regions:
+        nothing in them is live)."""
+        for addresses in self._pinned.values():
+            for address in addresses:
+                _unpin(address)
+        self._pinned = {}
+        whole_pages = self.size_bytes // mmap.PAGESIZE * mmap.PAGESIZE  # all of it but a 1-byte empty region's
+        if whole_pages:
+            self._segment.release(0, whole_pages)
+        self.committed.clear()
 
     def resident_bytes(self) -> int:
         """Bytes of the region in memory now (its pages allocated, by any process)."""
@@ -425,10 +431,9 @@ class HostRegion:
     def close(self) -> None:
         if self._segment is None:
             return
-        for addresses in self._pinned.values():
-            for address in addresses:
+        for index in list(self._pinned):
+            for address in self._pinned.pop(index):
                 _unpin(address)
-        self._pinned = {}
         self.arrays = []
         self._segment.close()
         self._segment = None

@@ -15,7 +15,6 @@ median gap, the long prompt's time to first token and its prefill tok/s.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import threading
@@ -28,6 +27,7 @@ from writescope.config import EngineConfig
 from writescope.engine import Engine
 from writescope.sampling import SamplingParams
 from writescope.service import EngineService
+from writescope.tools.local_serve import sse_payloads
 from writescope.tools.results import write_json
 
 log = logging.getLogger("bench_prefill_interleave")
@@ -94,10 +94,13 @@ def measure_http(args, chunk: int) -> dict:
 
 
 def _sse(response):
-    """The JSON payloads of a streamed response's `data:` lines, as they arrive."""
-    for line in response.iter_lines(decode_unicode=True):
-        if line.startswith("data: ") and line != "data: [DONE]":
-            yield json.loads(line[len("data: "):])
+    """A streamed completion's chunks as they arrive; an error event raises (it is not a token)."""
+    for chunk in sse_payloads(response):
+        if chunk == "[DONE]":
+            return
+        if "error" in chunk:
+            raise RuntimeError(f"the stream ended with an error: {chunk['error']}")
+        yield chunk
 
 
 def _first_http_token(url: str, body: dict, times: dict) -> None:

@@ -4,6 +4,7 @@ run against when they are not pointed at a running server."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import socket
 import sys
@@ -29,6 +30,15 @@ def wait_healthy(base_url: str, timeout_s: float = 300.0) -> None:
                 return
         time.sleep(0.5)
     raise RuntimeError(f"{base_url} did not become healthy in {timeout_s:.0f} s")
+
+
+def sse_payloads(response):
+    """The `data:` payloads of a streamed (server-sent events) response as they arrive: each decoded
+    from JSON, and "[DONE]" as it is."""
+    for line in response.iter_lines(decode_unicode=True):
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            yield payload if payload == "[DONE]" else json.loads(payload)
 
 
 @contextlib.contextmanager

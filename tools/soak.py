@@ -29,6 +29,7 @@ from collections import Counter
 
 import requests
 
+from writescope.tools.local_serve import sse_payloads
 from writescope.tools.results import write_json
 
 log = logging.getLogger("soak")
@@ -107,14 +108,10 @@ class Client(threading.Thread):
     @staticmethod
     def _stream_tokens(response) -> list[int]:
         tokens, error, done = [], None, False
-        for line in response.iter_lines(decode_unicode=True):
-            if not line.startswith("data: "):
-                continue
-            payload = line[len("data: "):]
-            if payload == "[DONE]":
+        for chunk in sse_payloads(response):
+            if chunk == "[DONE]":
                 done = True
                 break
-            chunk = json.loads(payload)
             if "error" in chunk:
                 error = chunk["error"]
                 continue

@@ -19,5 +19,8 @@ def test_over_http_a_running_stream_gets_tokens_during_another_requests_prefill(
     assert result["path"] == "http"
     chunked, whole = result["rows"]
     assert chunked["gaps_during_prefill"] >= 8  # about a token per chunk (16 chunks of 64)
-    assert whole["gaps_during_prefill"] <= 3  # one stall (and the gaps it began and ended in)
+    # whole: one stall holding most of the long prompt's time to first token (the rest is the ingress
+    # reading its 1024 ids, while the short stream still gets tokens), and fewer gaps than with chunks
+    assert whole["max_gap_during_prefill_s"] >= 0.5 * whole["long_ttft_s"]
+    assert whole["gaps_during_prefill"] < chunked["gaps_during_prefill"]
     assert chunked["prefill_tok_s"] > 0 and whole["long_ttft_s"] > 0
