@@ -371,12 +371,15 @@ class HostRegion:
         self.committed.add(index)
 
     def release(self, index: int) -> None:
-        """Segment `index` gives its pages back; its blocks must hold nothing anyone will read."""
+        """Segment `index` gives its pages back; its blocks must hold nothing anyone will read. After
+        close() only the bookkeeping goes (a cache's sequences may be finished after it was closed)."""
+        self.committed.discard(index)
+        if self._segment is None:
+            return
         for address in self._pinned.pop(index, []):
             _unpin(address)
         for start, length in self.segment_ranges(index):
             self._segment.release(start, _align(length))
-        self.committed.discard(index)
 
     def release_all(self) -> None:
         """Every page of the region goes back, in one call (a cache starting on attached regions:

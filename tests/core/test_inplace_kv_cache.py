@@ -175,6 +175,18 @@ def test_a_region_commits_segments_as_blocks_are_placed_and_releases_them_when_f
         cache.check_integrity()
 
 
+def test_a_sequence_finished_after_its_cache_was_closed_only_drops_its_bookkeeping():
+    """A consumer's generator may be finalized after the engine shut down: finishing then must not
+    touch the unmapped regions."""
+    cache = make_cache(PAGED, num_shards=1, policy=make_policy("all_cpu"), **SEGMENTED)
+    cache.admit("a", 16 * 6, 0)
+    cache.admit("b", 16 * 6, 0)
+    cache.close()
+    cache.finish("a")
+    cache.finish("b")
+    assert not cache.seqs and len(cache.compute[0].committed) == 1  # the lowest idle one, as ever
+
+
 def test_the_host_budget_bounds_admission_and_is_named_when_it_refuses():
     config = CacheConfig(PAGED, compute_blocks_per_shard=24, transfer_blocks=40, max_seqs=4, pingpong_blocks=3,
                          window_tokens=16, segment_blocks=4, max_blocks_per_seq=8)
