@@ -169,6 +169,10 @@ class GPUWorker:
                 "occupancy": {"cpu_compute": compute_used / max(compute_total, 1),
                               "cpu_transfer": len(cache.transfer_alloc.allocated) / max(config.transfer_blocks, 1)},
                 "steps": self.engine.stats["steps"], "decode_s": self.engine.stats["decode_s"],
+                "prefix_cache": {"registered_blocks": cache.prefix.num_registered,
+                                 "evictable_blocks": cache.prefix.num_evictable,
+                                 "queried_tokens": cache.prefix.queried_tokens, "hit_tokens": cache.prefix.hit_tokens,
+                                 "allocated_blocks": cache.allocated_blocks()},
                 **placement(self.engine)}
 
     async def check_integrity(self) -> None:

@@ -180,10 +180,11 @@ class RayEngine:
         the queue for KV capacity is full, ValueError for a bad or too long prompt."""
         return (await self.submit_request(prompt, params))["id"]
 
-    async def submit_request(self, prompt, params) -> dict:
+    async def submit_request(self, prompt, params, add_special_tokens: bool = True) -> dict:
         """As submit: {"id", "prompt_tokens"}. The prompt is tokenised and measured here, in a thread
-        (a long text does not hold up the caller's event loop, nor ever reach the engine's loop)."""
-        ids = await asyncio.to_thread(self.prompts.encode, prompt, params.max_new_tokens)
+        (a long text does not hold up the caller's event loop, nor ever reach the engine's loop).
+        add_special_tokens: off for a chat template's text (it writes its own BOS)."""
+        ids = await asyncio.to_thread(self.prompts.encode, prompt, params.max_new_tokens, 0, add_special_tokens)
         try:
             return await self.gpu_worker.submit.remote(ids, params)
         except ray.exceptions.RayTaskError as error:  # the worker's own refusal, as its own type

@@ -35,28 +35,34 @@ import logging
 import os
 import secrets
 import time
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
 
 import ray
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from ray import serve
 from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from writescope.actors.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    chat_logprobs,
+    completion_logprobs,
+    refused_parameter,
+)
+from writescope.chat import load_chat_template, load_generation_defaults
 from writescope.config import FIELD_NAMES, EngineConfig
 from writescope.engine import INTERNAL_ERROR, INVALID_REQUEST
-from writescope.prompts import check_unicode
-from writescope.sampling import SEED_MAX, SEED_MIN, SamplingParams
 from writescope.service import QueueFullError
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # OpenAIIngress's own keyword arguments; the rest of an app's args are EngineConfig's fields.
-INGRESS_ARGS = ("max_queue", "api_key_env", "served_model_name", "max_body_bytes")
+INGRESS_ARGS = ("max_queue", "api_key_env", "served_model_name", "max_body_bytes", "chat_template")
 APP_ARGS = (*FIELD_NAMES, *INGRESS_ARGS)
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort"}
 HEALTH_TIMEOUT_S = 2.0  # a GPU worker that Ray is restarting does not answer sooner (its calls wait)
@@ -68,67 +74,6 @@ def default_max_body_bytes(max_seq_len: int) -> int:
     """Room for a prompt of max_seq_len tokens written as generously as JSON allows (token ids, or
     text with escapes), plus the other fields; anything larger cannot be a prompt that fits."""
     return 64 * 1024 + 32 * max_seq_len
-
-
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
-
-    model: str = Field(max_length=256)
-    temperature: float = Field(default=1.0, ge=0, le=2, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0, le=1, allow_inf_nan=False)
-    stream: bool = False
-    stop: str | list[str] | None = Field(default=None, description="non-empty strings")
-    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data):
-        return check_unicode(data)
-
-    @field_validator("stop")
-    @classmethod
-    def _non_empty_stops(cls, stop):
-        stops = [stop] if isinstance(stop, str) else stop or []
-        if "" in stops:
-            raise ValueError("stop holds an empty string, which would match at once: give non-empty strings")
-        return stop
-
-    def params(self, max_tokens: int) -> SamplingParams:
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        seed = self.seed if self.seed is not None else secrets.randbits(63)  # unseeded requests differ
-        return SamplingParams(max_tokens, self.temperature, self.top_p, seed, tuple(stop))
-
-
-class CompletionRequest(_Common):
-    prompt: str | list[int] = Field(min_length=1)
-    max_tokens: int = Field(default=16, ge=1)
-
-
-class TextPart(BaseModel):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart]  # a string, or OpenAI's content parts (text only)
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
-
-
-class ChatRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-
-
-def chat_prompt(messages: list[ChatMessage]) -> str:
-    """A plain role-tagged transcript ending with the assistant's turn (the tiny presets have no
-    chat template of their own)."""
-    turns = "".join(f"<|{m.role}|>\n{m.text()}\n" for m in messages)
-    return turns + "<|assistant|>\n"
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -236,7 +181,7 @@ async def _invalid_body(request: Request, error: RequestValidationError):
         else:
             problems.append(f"{where}: {e['msg']}")
             params.append(where)
-    return _error(422, "; ".join(problems) or "invalid request body", param=params[0] if params else None)
+    return _error(400, "; ".join(problems) or "invalid request body", param=params[0] if params else None)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -253,24 +198,82 @@ async def _internal_error(request: Request, error: Exception):
     return _error(500, "internal server error: the server's log has the details")
 
 
+# vLLM's histogram buckets, so dashboards built for vLLM read these the same way
+TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                  40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                 80.0]
+REQUEST_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                     480.0, 960.0, 1920.0, 7680.0]
+
+
 class _Metrics:
-    """Through Ray's metrics API (exported by each node's metrics agent, Prometheus format)."""
+    """Through Ray's metrics API: each node's metrics agent exports them in Prometheus text on the
+    node's metrics export port (`ray start --metrics-export-port`), with Ray's `ray_` prefix. The
+    names after `writescope_` are vLLM's (vllm:time_to_first_token_seconds, ...)."""
 
     def __init__(self):
         self.requests = metrics.Counter("writescope_requests_total", "HTTP generation requests by route and status",
                                         tag_keys=("route", "status"))
-        self.tokens = metrics.Counter("writescope_generated_tokens_total", "tokens generated for HTTP requests")
+        self.ttft = metrics.Histogram("writescope_time_to_first_token_seconds", "arrival to the first token",
+                                      boundaries=TTFT_BUCKETS_S)
+        self.itl = metrics.Histogram("writescope_inter_token_latency_seconds", "between a request's tokens",
+                                     boundaries=ITL_BUCKETS_S)
+        self.e2e = metrics.Histogram("writescope_e2e_request_latency_seconds", "arrival to the last token",
+                                     boundaries=REQUEST_BUCKETS_S)
+        self.queue = metrics.Histogram("writescope_request_queue_time_seconds", "waiting for KV capacity",
+                                       boundaries=REQUEST_BUCKETS_S)
+        self.prompt_tokens = metrics.Counter("writescope_prompt_tokens_total", "prompt tokens of admitted requests")
+        self.generation_tokens = metrics.Counter("writescope_generation_tokens_total", "tokens generated")
+        self.finished = metrics.Counter("writescope_request_success_total", "finished requests by finish reason",
+                                        tag_keys=("finished_reason",))
+        self.prefix_queries = metrics.Counter("writescope_prefix_cache_queries_total",
+                                              "prompt tokens looked up in the prefix cache")
+        self.prefix_hits = metrics.Counter("writescope_prefix_cache_hits_total",
+                                           "prompt tokens found in the prefix cache (not prefilled)")
         self.share = metrics.Gauge("writescope_cpu_share", "r*: the CPU share of the running batch's KV")
-        self.waiting = metrics.Gauge("writescope_waiting_requests", "requests waiting for KV capacity")
-        self.occupancy = metrics.Gauge("writescope_region_occupancy", "fraction of a KV region's blocks in use",
-                                       tag_keys=("region",))
+        self.waiting = metrics.Gauge("writescope_num_requests_waiting", "requests waiting for KV capacity")
+        self.running = metrics.Gauge("writescope_num_requests_running", "sequences holding KV")
+        self.usage = metrics.Gauge("writescope_kv_cache_usage_perc", "fraction of a KV region's blocks in use",
+                                   tag_keys=("region",))
 
     def update(self, state: dict) -> None:
         if state.get("cpu_share_now") is not None:
             self.share.set(state["cpu_share_now"])
         self.waiting.set(state["waiting"])
+        self.running.set(state["running_seqs"])
         for region, value in state["occupancy"].items():
-            self.occupancy.set(value, tags={"region": region})
+            self.usage.set(value, tags={"region": region})
+
+
+class _RequestTimer:
+    """One request's latencies as its events pass the ingress: TTFT on its first token, the gaps
+    between tokens, e2e and its finish reason on its last event, its queue time as the engine
+    measured it."""
+
+    def __init__(self, recorder: _Metrics, arrival_s: float, prompt_tokens: int):
+        self.recorder, self.arrival_s, self.last_s, self.prompt_tokens = recorder, arrival_s, None, prompt_tokens
+        self.cached_tokens = 0  # prompt tokens the prefix cache had, from the first token's event
+
+    def observe(self, event) -> None:
+        now = time.monotonic()
+        if event.token_id >= 0:
+            if self.last_s is None:
+                self.recorder.ttft.observe(now - self.arrival_s)
+            else:
+                self.recorder.itl.observe(max(now - self.last_s, 1e-9))
+            self.last_s = now
+            self.recorder.generation_tokens.inc()
+        if event.queue_s is not None:
+            self.recorder.queue.observe(max(event.queue_s, 1e-9))
+        if event.cached_tokens is not None:
+            self.cached_tokens = event.cached_tokens
+            self.recorder.prefix_queries.inc(max(self.prompt_tokens, 1))
+            if event.cached_tokens:
+                self.recorder.prefix_hits.inc(event.cached_tokens)
+        if event.finish_reason is not None:
+            self.recorder.e2e.observe(now - self.arrival_s)
+            self.recorder.finished.inc(tags={"finished_reason": FINISH.get(event.finish_reason, event.finish_reason)})
 
 
 def _http_host() -> str:
@@ -285,7 +288,69 @@ def _http_host() -> str:
         return "unknown"
 
 
-_EVENT_STATUS = {INVALID_REQUEST: 400, INTERNAL_ERROR: 500}  # anything else: the engine is unavailable (503)
+_EVENT_STATUS = {INVALID_REQUEST: 400, INTERNAL_ERROR: 500}
+
+def _data(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+@dataclass
+class _Reply:
+    """How one request's answer is written: its id and kind (chat or completion), its prompt's
+    length for usage, the tokenizer for logprobs' token texts, the prompt's text when echoed."""
+
+    completion_id: str
+    model: str
+    chat: bool
+    prompt_tokens: int
+    tokenizer: object
+    echo: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def _usage(self, completion_tokens: int, cached_tokens: int) -> dict:
+        """OpenAI's usage; prompt_tokens_details.cached_tokens: the prompt tokens reused, not prefilled."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+    def _logprobs(self, token_ids: list[int], logprobs: list, text_start: int):
+        if not logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tokenizer, token_ids, logprobs)
+        return completion_logprobs(self.tokenizer, token_ids, logprobs, text_start)
+
+    def whole(self, tokens: list[int], text: str, logprobs: list, finish: str | None, cached_tokens: int) -> dict:
+        choice = {"index": 0, "finish_reason": FINISH.get(finish, finish), "token_ids": tokens,
+                  "logprobs": self._logprobs(tokens, logprobs, len(self.echo or ""))}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = (self.echo or "") + text
+        return {"id": self.completion_id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                "usage": self._usage(len(tokens), cached_tokens)}
+
+    def chunk(self, text: str, token_ids: list[int], logprobs, finish: str | None) -> dict:
+        finish = FINISH.get(finish, finish)
+        entry = self._logprobs(token_ids, [logprobs] if logprobs is not None else [], 0)
+        if self.chat:
+            choice = {"index": 0, "delta": {"role": "assistant", "content": text}, "finish_reason": finish,
+                      "token_ids": token_ids, "logprobs": entry}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": entry, "token_ids": token_ids}
+        return {"id": self.completion_id, "object": self._chunk_object, "created": self.created,
+                "model": self.model, "choices": [choice]}
+
+    def usage_chunk(self, completion_tokens: int, cached_tokens: int) -> dict:
+        """stream_options.include_usage: the last chunk, with no choices and the request's usage."""
+        return {"id": self.completion_id, "object": self._chunk_object, "created": self.created,
+                "model": self.model, "choices": [], "usage": self._usage(completion_tokens, cached_tokens)}
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+  # anything else: the engine is unavailable (503)
 
 
 # Serve pickles the ingress class when it is decorated: everything it calls is defined above.
@@ -293,9 +358,11 @@ _EVENT_STATUS = {INVALID_REQUEST: 400, INTERNAL_ERROR: 500}  # anything else: th
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, max_queue: int = 64, api_key_env: str = "WRITESCOPE_API_KEY",
-                 served_model_name: str | None = None, max_body_bytes: int | None = None, **engine_fields):
+                 served_model_name: str | None = None, max_body_bytes: int | None = None,
+                 chat_template: str | None = None, **engine_fields):
         """engine_fields: EngineConfig's fields (model, policy, max_seq_len, hot_experts, ...), with
-        its defaults; the rest are the app's own."""
+        its defaults; the rest are the app's own. chat_template: a Jinja template (a file's path,
+        or its text) replacing the checkpoint's."""
         from writescope.actors.ray_engine import RayEngine
 
         config = EngineConfig.from_mapping(engine_fields)
@@ -309,7 +376,10 @@ class OpenAIIngress:
             raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
         app.state.gate = GateSettings(api_key, max_body_bytes)
         self.model_name = served_model_name or os.path.basename(config.model.rstrip("/"))
+        self.chat_template = load_chat_template(config.model, chat_template)
+        self.sampling_defaults = load_generation_defaults(config.model).sampling
         self.engine = RayEngine.from_pretrained(config=config, max_waiting=max_queue)
+        self.tokenizer = self.engine.prompts.tokenizer
         self._metrics = _Metrics()
         self._poller = None
 
@@ -327,58 +397,132 @@ class OpenAIIngress:
 
     @app.get("/v1/models")
     async def models(self):
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                             "owned_by": "writescope"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str):
+        if model_id != self.model_name:
+            return self._not_served(model_id)
+        return self._model_card()
 
     @app.post("/v1/completions")
     async def completions(self, body: CompletionRequest):
-        return await self._answer(body.prompt, body, body.max_tokens, chat=False)
+        return await self._answer(body.prompt, body, body.max_tokens, chat=False, arrival_s=time.monotonic())
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatRequest):
+        arrival_s = time.monotonic()
         max_tokens = body.max_completion_tokens or body.max_tokens or 256
-        return await self._answer(chat_prompt(body.messages), body, max_tokens, chat=True)
+        rendered = self._render(body)
+        if isinstance(rendered, JSONResponse):
+            return rendered
+        return await self._answer(rendered, body, max_tokens, chat=True, arrival_s=arrival_s)
+
+    @app.post("/tokenize")
+    async def tokenize(self, body: TokenizeRequest):
+        """vLLM's: the ids of a prompt, or of chat messages as the chat template renders them."""
+        if body.model != self.model_name:
+            return self._not_served(body.model)
+        text = body.prompt
+        if body.messages is not None:
+            text = self._render(body)
+            if isinstance(text, JSONResponse):
+                return text
+        special = body.add_special_tokens if body.add_special_tokens is not None else body.messages is None
+        try:
+            ids = await asyncio.to_thread(self.engine.prompts.encode, text, 0, 0, special)
+        except ValueError as error:
+            return _error(400, str(error), param="messages" if body.messages is not None else "prompt")
+        answer = {"count": len(ids), "max_model_len": self.engine.max_seq_len, "tokens": ids}
+        if body.return_token_strs:
+            answer["token_strs"] = [self.tokenizer.id_to_token(i) for i in ids] if self.tokenizer else []
+        return answer
+
+    @app.post("/detokenize")
+    async def detokenize(self, body: DetokenizeRequest):
+        if body.model != self.model_name:
+            return self._not_served(body.model)
+        vocab = self.engine.prompts.vocab_size
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            return _error(400, f"tokens holds ids outside [0, {vocab}): {bad[:5]}", param="tokens")
+        if self.tokenizer is None:
+            return _error(400, "this checkpoint has no tokenizer.json: there is no text to give", param="tokens")
+        text = await asyncio.to_thread(self.tokenizer.decode, body.tokens, skip_special_tokens=False)
+        return {"prompt": text}
 
     # ------------------------------------------------------------------ helpers
-    async def _answer(self, prompt, body, max_tokens: int, chat: bool):
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "writescope",
+                "max_model_len": self.engine.max_seq_len}
+
+    def _not_served(self, name: str) -> JSONResponse:
+        return _error(404, f"model {name!r} is not served here; served: {self.model_name!r}", "model_not_found",
+                      param="model")
+
+    def _render(self, body):
+        """The chat prompt's text from the chat template, or a 400 (no template, or it refused)."""
+        if self.chat_template is None:
+            return _error(400, "this model has no chat template (neither chat_template.jinja nor a chat_template "
+                               "in tokenizer_config.json) and the app was given none (app arg chat_template): use "
+                               "/v1/completions, or give a template", param="messages")
+        try:
+            return self.chat_template.render([m.for_template() for m in body.messages], body.add_generation_prompt,
+                                             **(body.chat_template_kwargs or {}))
+        except ValueError as error:
+            return _error(400, str(error), param="messages")
+
+    async def _answer(self, prompt, body, max_tokens: int, chat: bool, arrival_s: float):
         self._start_metrics()
         route = "chat" if chat else "completions"
-        response = await self._submit(prompt, body, max_tokens)
+        response = await self._submit(prompt, body, max_tokens, chat)
         if isinstance(response, JSONResponse):
             self._metrics.requests.inc(tags={"route": route, "status": str(response.status_code)})
             return response
         submitted = response
         self._metrics.requests.inc(tags={"route": route, "status": "200"})
-        completion_id = f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}"
+        self._metrics.prompt_tokens.inc(max(submitted["prompt_tokens"], 1))
+        timer = _RequestTimer(self._metrics, arrival_s, submitted["prompt_tokens"])
+        reply = _Reply(f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", self.model_name, chat,
+                       submitted["prompt_tokens"], self.tokenizer,
+                       echo=self._echo_text(prompt) if getattr(body, "echo", False) else None)
         events = self.engine.stream(submitted["id"])
         if body.stream:
-            return StreamingResponse(self._sse(events, completion_id, chat), media_type="text/event-stream")
-        return await self._complete(events, completion_id, chat, submitted["prompt_tokens"])
+            return StreamingResponse(self._sse(events, reply, timer, body.include_usage),
+                                     media_type="text/event-stream")
+        return await self._complete(events, reply, timer)
 
-    async def _submit(self, prompt, body, max_tokens: int):
+    def _echo_text(self, prompt) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        return self.tokenizer.decode(prompt, skip_special_tokens=False) if self.tokenizer else ""
+
+    async def _submit(self, prompt, body, max_tokens: int, chat: bool):
         """{"id", "prompt_tokens"} of the queued request, or the error response."""
         if body.model != self.model_name:
-            return _error(404, f"model {body.model!r} is not served here; served: {self.model_name!r}",
-                          "model_not_found", param="model")
+            return self._not_served(body.model)
+        refused = refused_parameter(body)
+        if refused is not None:
+            return _error(400, refused[1], param=refused[0])
         try:
-            params = body.params(max_tokens)
+            params = body.params(max_tokens, self.sampling_defaults, body.num_logprobs if chat else body.logprobs)
         except ValueError as error:
             return _error(400, str(error))
         try:
-            return await self.engine.submit_request(prompt, params)
+            return await self.engine.submit_request(prompt, params, add_special_tokens=not chat)
         except QueueFullError as error:
             return _error(429, str(error), headers={"Retry-After": str(error.retry_after_s)})
         except ValueError as error:  # the prompt: too long, bad ids, not tokenisable (our own messages)
-            return _error(400, str(error), param="messages" if isinstance(prompt, str) and
-                          isinstance(body, ChatRequest) else "prompt")
+            return _error(400, str(error), param="messages" if chat else "prompt")
         except Exception as error:  # noqa: BLE001 - the engine is failing or restarting
             log.warning("submit failed: %s", error)
             return _unavailable()
 
-    async def _complete(self, events, completion_id: str, chat: bool, prompt_tokens: int):
-        tokens, text, finish = [], [], None
+    async def _complete(self, events, reply: _Reply, timer: _RequestTimer):
+        tokens, text, logprobs, finish = [], [], [], None
         try:
             async for event in events:
+                timer.observe(event)
                 if event.finish_reason == "error":
                     status = _EVENT_STATUS.get(event.error_kind, 503)
                     return _error(status, event.error,
@@ -386,52 +530,41 @@ class OpenAIIngress:
                 if event.token_id >= 0:
                     tokens.append(event.token_id)
                     text.append(event.text)
+                    if event.logprobs is not None:
+                        logprobs.append(event.logprobs)
                 finish = event.finish_reason
         except Exception as error:  # noqa: BLE001 - the GPU worker died during generation
-            log.warning("generation %s lost: %s", completion_id, error)
+            log.warning("generation %s lost: %s", reply.completion_id, error)
             return _unavailable()
-        self._metrics.tokens.inc(len(tokens))
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(tokens),
-                 "total_tokens": prompt_tokens + len(tokens)}
-        choice = {"index": 0, "finish_reason": FINISH.get(finish, finish), "token_ids": tokens}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice.update(text="".join(text), logprobs=None)
-        return {"id": completion_id, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name, "choices": [choice], "usage": usage}
+        return reply.whole(tokens, "".join(text), logprobs, finish, timer.cached_tokens)
 
-    async def _sse(self, events, completion_id: str, chat: bool):
-        """The stream's chunks; whatever ends it early (an error event, the GPU worker's death) is
-        sent as an error event, and every stream ends with `data: [DONE]`."""
-        created = int(time.time())
+    async def _sse(self, events, reply: _Reply, timer: _RequestTimer, include_usage: bool):
+        """The stream's chunks, then the usage chunk when asked; whatever ends it early (an error
+        event, the GPU worker's death) is sent as an error event, and every stream ends with
+        `data: [DONE]`."""
+        completion_tokens, finished = 0, False
         try:
+            if reply.echo:
+                yield _data(reply.chunk(reply.echo, [], None, None))
             async for event in events:
+                timer.observe(event)
                 if event.finish_reason == "error":
                     status = _EVENT_STATUS.get(event.error_kind, 503)
-                    yield f"data: {json.dumps(_error_body(status, event.error))}\n\n"
+                    yield _data(_error_body(status, event.error))
                     break
-                yield f"data: {json.dumps(self._chunk(event, completion_id, created, chat))}\n\n"
+                token_ids = [event.token_id] if event.token_id >= 0 else []
+                completion_tokens += len(token_ids)
+                yield _data(reply.chunk(event.text, token_ids, event.logprobs, event.finish_reason))
+                finished = event.finish_reason is not None
         except Exception as error:  # noqa: BLE001 - the engine died mid-stream: the client is told so
-            log.warning("stream %s lost: %s", completion_id, error)
-            yield f"data: {json.dumps(_error_body(503, UNAVAILABLE_MESSAGE))}\n\n"
+            log.warning("stream %s lost: %s", reply.completion_id, error)
+            yield _data(_error_body(503, UNAVAILABLE_MESSAGE))
         finally:
             with contextlib.suppress(Exception):
                 await events.aclose()  # a client that went away cancels its request
+        if include_usage and finished:
+            yield _data(reply.usage_chunk(completion_tokens, timer.cached_tokens))
         yield "data: [DONE]\n\n"
-
-    def _chunk(self, event, completion_id: str, created: int, chat: bool) -> dict:
-        finish = FINISH.get(event.finish_reason, event.finish_reason)
-        token_ids = [event.token_id] if event.token_id >= 0 else []
-        self._metrics.tokens.inc(len(token_ids))
-        if chat:
-            choice = {"index": 0, "delta": {"role": "assistant", "content": event.text}, "finish_reason": finish,
-                      "token_ids": token_ids}
-        else:
-            choice = {"index": 0, "text": event.text, "finish_reason": finish, "logprobs": None,
-                      "token_ids": token_ids}
-        return {"id": completion_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": self.model_name, "choices": [choice]}
 
     def _start_metrics(self) -> None:
         if self._poller is None:

@@ -31,6 +31,10 @@ class BlockAllocator:
         return len(self._free)
 
     @property
+    def num_allocated(self) -> int:
+        return len(self._allocated)
+
+    @property
     def allocated(self) -> frozenset[int]:
         return frozenset(self._allocated)
 

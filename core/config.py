@@ -53,6 +53,8 @@ class EngineConfig:
     pingpong_blocks: int | None = field(default=None, metadata=_help(
         "blocks per ping-pong buffer (default: a layer's cpu_transfer blocks, up to 512 MiB)"))
     weights_seed: int = field(default=0, metadata=_help("seed of a preset's random weights"))
+    enable_prefix_caching: bool = field(default=True, metadata=_help(
+        "reuse the KV of a prompt's prefix already written for another request (block-aligned, as vLLM)"))
 
     def __post_init__(self):
         if not isinstance(self.model, str) or not self.model:
@@ -70,6 +72,8 @@ class EngineConfig:
                 self.max_host_kv_gb, (int, float)) or not self.max_host_kv_gb > 0):
             raise ValueError(f"max_host_kv_gb must be a number of GiB > 0 or none, got {self.max_host_kv_gb!r}")
         _check_int("weights_seed", self.weights_seed, minimum=0)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.prefill_chunk_tokens % self.block_size:
             raise ValueError(f"prefill_chunk_tokens must be a multiple of block_size {self.block_size}, "
                              f"got {self.prefill_chunk_tokens}")
@@ -91,8 +95,10 @@ class EngineConfig:
         _check_names(values)
         integers = {f.name for f in dataclasses.fields(cls) if "int" in str(f.type)}
         numbers = {f.name for f in dataclasses.fields(cls) if "float" in str(f.type)}
+        switches = {f.name for f in dataclasses.fields(cls) if str(f.type) == "bool"}
         return cls(**{k: _parse(k, v, int, "an integer") if k in integers else
-                      _parse(k, v, float, "a number") if k in numbers else v for k, v in values.items()})
+                      _parse(k, v, float, "a number") if k in numbers else
+                      _parse(k, v, _switch, "true or false") if k in switches else v for k, v in values.items()})
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -102,6 +108,10 @@ class EngineConfig:
             if f.name in exclude:
                 continue
             flag = "--" + f.name.replace("_", "-")
+            if str(f.type) == "bool":  # --enable-prefix-caching / --no-enable-prefix-caching, as vLLM
+                parser.add_argument(flag, default=getattr(defaults, f.name), help=f.metadata["help"],
+                                    action=argparse.BooleanOptionalAction)
+                continue
             options = {"type": int if "int" in str(f.type) else float if "float" in str(f.type) else str}
             if f.name == "policy":
                 options["type"] = policy_argument
@@ -134,7 +144,14 @@ def _check_int(name: str, value, *, minimum: int, optional: bool = False) -> Non
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
-def _parse(name: str, value, kind: type, what: str):
+def _switch(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered not in ("true", "false", "1", "0", "yes", "no"):
+        raise ValueError(text)
+    return lowered in ("true", "1", "yes")
+
+
+def _parse(name: str, value, kind, what: str):
     """A value from a config file or the command line: its text parsed as `kind`, else as given."""
     if isinstance(value, str):
         try:

@@ -14,6 +14,7 @@ token, or max_new_tokens.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -35,7 +36,16 @@ from writescope.models.moe_model import MoEModel
 from writescope.perf_model import PerfModel
 from writescope.policies import Policy, check_policy, make_policy
 from writescope.prompts import PromptEncoder
-from writescope.sampling import FAILED, SamplingParams, call_params, make_generator, sample
+from writescope.sampling import (
+    FAILED,
+    Sampled,
+    SamplerRow,
+    SamplingParams,
+    TokenLogprobs,
+    call_params,
+    make_generator,
+    sample,
+)
 from writescope.split import device_side
 
 log = logging.getLogger(__name__)
@@ -58,6 +68,7 @@ class GenerationOutput:
     prompt_tokens: int
     logits: list[torch.Tensor] | None = None  # [vocab] float32 per new token, when asked for
     error: str | None = None  # why, when finish_reason is "error" (this request failed, the others did not)
+    logprobs: list[TokenLogprobs] | None = None  # per new token, when its SamplingParams ask for them
 
 
 @dataclass(frozen=True)
@@ -68,6 +79,9 @@ class StreamEvent:
     finish_reason: str | None  # set on a sequence's last event: "eos", "stop", "length", "abort" or "error"
     error: str | None = None  # why, when finish_reason is "error": a message fit for the request's client
     error_kind: str | None = None  # INVALID_REQUEST, INTERNAL_ERROR or UNAVAILABLE, with finish_reason "error"
+    logprobs: TokenLogprobs | None = None  # the token's, when its request asked for them
+    queue_s: float | None = None  # on a request's first token: how long it waited for admission
+    cached_tokens: int | None = None  # on a request's first token: prompt tokens reused, not prefilled
 
     @property
     def retryable(self) -> bool:
@@ -79,15 +93,14 @@ class StreamEvent:
 class _Request:
     index: int
     prompt: list[int]
-    max_new_tokens: int
-    temperature: float
-    top_p: float
+    params: SamplingParams
+    sampler: SamplerRow  # its settings, random stream and penalty counts
     stop_strings: tuple[str, ...]
     stop_ids: frozenset[int]
-    generator: torch.Generator | None
     keep_logits: bool = False
     logits: list[torch.Tensor] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     error: str | None = None
@@ -96,6 +109,13 @@ class _Request:
 
     cancelled: bool = False
     prefilled: int = 0  # prompt tokens whose KV is written in every layer (a chunked prefill's progress)
+    created_s: float = field(default_factory=time.monotonic)  # when it was made (queued)
+    admitted_s: float | None = None  # when the cache admitted it (its queue time ends)
+    cached_tokens: int = 0  # prompt tokens whose KV the prefix cache had (its prefill starts after them)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.params.max_new_tokens
 
     @property
     def seq_id(self):
@@ -141,7 +161,8 @@ class _DeviceClock:
 
 class Engine:
     def __init__(self, model: MoEModel, tokenizer, *, policy: Policy, cache: InplaceKVCache, executor,
-                 max_batch_size: int, max_seq_len: int, prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens):
+                 max_batch_size: int, max_seq_len: int, prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens,
+                 enable_prefix_caching: bool = EngineConfig.enable_prefix_caching):
         if prefill_chunk_tokens < 1 or prefill_chunk_tokens % cache.block_size:
             raise ValueError(f"prefill_chunk_tokens must be a positive multiple of the block size "
                              f"{cache.block_size}, got {prefill_chunk_tokens}")
@@ -163,7 +184,9 @@ class Engine:
         self.prompts = PromptEncoder(tokenizer, self.config.vocab_size, max_seq_len)
         self.graph: DecodeGraph = build_decode_graph(self.config.num_layers)
         self._device_backend = "triton" if model.device.type == "cuda" else "cpu"
-        self.stats = {"steps": 0, "decode_s": 0.0, "tokens": 0, "attention_s": 0.0}
+        self.stats = {"steps": 0, "decode_s": 0.0, "tokens": 0, "attention_s": 0.0, "prompt_tokens": 0,
+                      "cached_prompt_tokens": 0, "prefill_s": 0.0}
+        self.enable_prefix_caching = enable_prefix_caching
         # torch's intra-op threads (None: leave torch's setting). On the CPU the C++ kernel's pool
         # runs the attention on every CPU; a decode step's small matmuls gain nothing from more
         # torch threads, whose OpenMP workers would spin against that pool between ops (measured:
@@ -213,7 +236,8 @@ class Engine:
                               max_seq_len=config.max_seq_len, block_size=config.block_size,
                               num_shards=config.num_shards, pingpong_blocks=config.pingpong_blocks,
                               prefill_chunk_tokens=config.prefill_chunk_tokens, region_handles=region_handles,
-                              cache_config=cache_config, max_host_kv_gb=config.max_host_kv_gb)
+                              cache_config=cache_config, max_host_kv_gb=config.max_host_kv_gb,
+                              enable_prefix_caching=config.enable_prefix_caching)
 
     @classmethod
     def from_model(cls, model: MoEModel, tokenizer, kv_dtype: torch.dtype, *, policy: str | Policy = "writescope",
@@ -222,7 +246,8 @@ class Engine:
                    block_size: int = EngineConfig.block_size, num_shards: int | None = None,
                    pingpong_blocks: int | None = None,
                    prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens, region_handles=None,
-                   cache_config: CacheConfig | None = None, max_host_kv_gb: float | None = None):
+                   cache_config: CacheConfig | None = None, max_host_kv_gb: float | None = None,
+                   enable_prefix_caching: bool = EngineConfig.enable_prefix_caching):
         """An engine around a model already built (on its device): a new cache, executor and policy,
         so that several engines can share one model's weights (a sweep over policies, say).
         executor: an executor object, default a LocalExecutor (concurrent beside a GPU)."""
@@ -244,7 +269,7 @@ class Engine:
         try:
             engine = cls(model, tokenizer, policy=policy, cache=cache, executor=executor,
                          max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                         prefill_chunk_tokens=prefill_chunk_tokens)
+                         prefill_chunk_tokens=prefill_chunk_tokens, enable_prefix_caching=enable_prefix_caching)
             if calibrate:
                 policy.estimator.reset_to(engine.calibrate())
             return engine
@@ -283,7 +308,7 @@ class Engine:
         for _ in self._run(requests):
             pass
         return [GenerationOutput(r.tokens, r.text, r.finish_reason, len(r.prompt), r.logits if return_logits else None,
-                                 r.error) for r in requests]
+                                 r.error, r.logprobs if r.params.logprobs is not None else None) for r in requests]
 
     def generate_stream(self, prompts, *, max_new_tokens: int = 32, temperature: float = 0.0, top_p: float = 1.0,
                         seed: int | None = None, stop=None,
@@ -309,8 +334,8 @@ class Engine:
             generator = make_generator(seed)
         stop_strings = tuple(s for s in params.stop if isinstance(s, str))
         stop_ids = frozenset(s for s in params.stop if isinstance(s, int))
-        return _Request(index, ids, params.max_new_tokens, params.temperature, params.top_p, stop_strings, stop_ids,
-                        generator)
+        return _Request(index, ids, params, SamplerRow(params, generator, ids, self.config.vocab_size), stop_strings,
+                        stop_ids)
 
     def _run(self, requests: list[_Request]) -> Iterator[StreamEvent]:
         """Generates a fixed set of requests to the end; a request that can never fit raises."""
@@ -334,8 +359,9 @@ class Engine:
                 yield from self._admit(waiting, running, prefilling, admitted, fail_alone=poll is not None)
                 yield from self._prefill_turn(prefilling, running, admitted)
                 if running:
-                    for request, token in zip(running, self._decode_step(running), strict=True):
-                        yield self._accept(request, token)
+                    sampled = self._decode_step(running)
+                    for request, token, logprobs in zip(running, sampled.tokens, sampled.logprobs, strict=True):
+                        yield self._accept(request, token, logprobs)
                     for request in [r for r in running if r.finish_reason is not None or r.cancelled]:
                         if request.finish_reason is None:
                             request.finish_reason = "abort"
@@ -357,7 +383,8 @@ class Engine:
                 yield StreamEvent(request.index, -1, "", "abort")
                 continue
             try:
-                self.cache.admit(request.seq_id, len(request.prompt), request.max_new_tokens)
+                cached = self.cache.admit(request.seq_id, len(request.prompt), request.max_new_tokens,
+                                          prompt=request.prompt if self.enable_prefix_caching else None)
             except CapacityError:
                 if running or prefilling:
                     return  # it waits for a running sequence to finish
@@ -369,6 +396,10 @@ class Engine:
                                  f"cache even alone: {self.cache.capacity_text()}", INVALID_REQUEST)
                 continue
             waiting.popleft()
+            request.admitted_s = time.monotonic()
+            request.cached_tokens = request.prefilled = cached  # its prefill starts after the reused blocks
+            self.stats["prompt_tokens"] += len(request.prompt)
+            self.stats["cached_prompt_tokens"] += cached
             admitted[id(request)] = request
             prefilling.append(request)
 
@@ -405,14 +436,20 @@ class Engine:
         request.finish_reason, request.error = "error", message
         return StreamEvent(request.index, -1, "", "error", message, kind)
 
-    def _accept(self, request: _Request, token: int) -> StreamEvent:
+    def _accept(self, request: _Request, token: int, logprobs: TokenLogprobs | None = None) -> StreamEvent:
         """The event of a sampled token; a token that could not be sampled, or any failure in the
         request's own text handling, ends this request alone with an error event."""
         if token == FAILED:
             return self._fail(request, "the model's logits for this request were not finite: it was ended, the "
                               "other requests go on", INTERNAL_ERROR)
         try:
-            return self._accept_token(request, token)
+            event = self._accept_token(request, token)
+            if logprobs is not None:
+                request.logprobs.append(logprobs)
+            if len(request.tokens) > 1 or request.admitted_s is None:
+                return dataclasses.replace(event, logprobs=logprobs)
+            return dataclasses.replace(event, logprobs=logprobs, queue_s=request.admitted_s - request.created_s,
+                                       cached_tokens=request.cached_tokens)
         except Exception:  # noqa: BLE001 - detokenisation or stop matching of one request
             log.exception("request %s failed after token %d", request.index, token)
             return self._fail(request, "an internal error ended this request; the engine's log has the details",
@@ -420,9 +457,10 @@ class Engine:
 
     def _accept_token(self, request: _Request, token: int) -> StreamEvent:
         request.tokens.append(token)
+        request.sampler.observe(token)
         text_before = len(request.text)
         added = self._decode_text(request)
-        if token in self.config.eos_token_ids:
+        if token in self.config.eos_token_ids and not request.params.ignore_eos:
             request.finish_reason = "eos"
         elif token in request.stop_ids or (request.stop_strings and self._cut_at_stop(request, added)):
             request.finish_reason = "stop"
@@ -462,16 +500,18 @@ class Engine:
         """One chunk of an admitted request's prefill; its first token's event after the last chunk,
         else None. A failure ends the request alone, with an error event."""
         try:
+            began = time.perf_counter()
             with _torch_threads(self.prefill_threads):
-                token = self._prefill_chunk(request)
+                sampled = self._prefill_chunk(request)
+            self.stats["prefill_s"] += time.perf_counter() - began
         except Exception:  # noqa: BLE001 - one request's prefill (out of memory, a bad prompt) ends only it
             log.exception("prefill of request %s failed", request.index)
             return self._fail(request, "an internal error ended this request during its prefill; the engine's "
                               "log has the details", INTERNAL_ERROR)
-        return None if token is None else self._accept(request, token)
+        return None if sampled is None else self._accept(request, sampled.tokens[0], sampled.logprobs[0])
 
     @torch.inference_mode()
-    def _prefill_chunk(self, request: _Request) -> int | None:
+    def _prefill_chunk(self, request: _Request) -> Sampled | None:
         """Prompt tokens [prefilled, prefilled + prefill_chunk_tokens) through every layer: each layer's
         chunk attends to the prompt's KV already written (read back from its regions) and to itself,
         causally, and its KV goes straight to its regions. The sampled first token after the last
@@ -490,7 +530,7 @@ class Engine:
         request.prefilled = end
         if end < len(request.prompt):
             return None
-        return self._sample([request], model.logits(hidden[-1:]))[0]
+        return self._sample([request], model.logits(hidden[-1:]))
 
     def _prefix_pieces(self, request: _Request, layer: int, start: int) -> Iterator[tuple[torch.Tensor, ...]]:
         """The prompt's KV written before token `start`, read back from its regions a piece of
@@ -508,7 +548,7 @@ class Engine:
 
     # ------------------------------------------------------------------ decode
     @torch.inference_mode()
-    def _decode_step(self, running: list[_Request]) -> list[int]:
+    def _decode_step(self, running: list[_Request]) -> Sampled:
         began = time.perf_counter()
         seq_ids = [r.seq_id for r in running]
         device = self.model.device
@@ -599,13 +639,12 @@ class Engine:
         return logits
 
     @staticmethod
-    def _sample(requests: list[_Request], logits: torch.Tensor) -> list[int]:
+    def _sample(requests: list[_Request], logits: torch.Tensor) -> Sampled:
         """logits [batch, vocab] -> one token per request (FAILED where its logits were not finite)."""
         for request, row in zip(requests, logits, strict=True):
             if request.keep_logits:
                 request.logits.append(row.detach().float().cpu())
-        return sample(logits, [r.temperature for r in requests], [r.top_p for r in requests],
-                      [r.generator for r in requests])
+        return sample(logits, [r.sampler for r in requests])
 
 
 @contextlib.contextmanager

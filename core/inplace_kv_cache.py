@@ -13,6 +13,12 @@ window; decode appends to the window; a full window is flushed as sealed blocks 
 cpu_transfer, as the policy decides at that moment. Nothing moves after placement, and the
 device memory of the cache does not depend on sequence length.
 
+Prefix reuse (writescope.prefix_cache): a prompt's full blocks, once written in every layer, are
+registered under the hash of their tokens and of every token before them; a sequence admitted with
+a prompt whose first blocks are registered holds those blocks (where they were placed) instead of
+new ones, and its prefill starts after them. A block is freed when no sequence holds it, unless it
+is registered: it is then kept, and evicted (least recently used first) when room is needed.
+
 A decode step reads through a `StepView` made once per step (`step_view`): the batch's block
 tables and lengths of every region, gathered from tables kept as tensors (`BlockTables`) and the
 step's ping-pong plan. Every layer of the step reads the same view; nothing in it loops over
@@ -33,6 +39,7 @@ from writescope.kv_regions import HostMemoryError, HostRegion, check_segment_blo
 from writescope.ops import KVSource
 from writescope.pingpong import PingPong, TransferChunk, plan_chunks
 from writescope.policies import Policy, Region
+from writescope.prefix_cache import PrefixCache, block_hashes
 
 
 @dataclass(frozen=True)
@@ -159,6 +166,9 @@ class SequenceState:
     prefilled_layers: set[int] = field(default_factory=set)
     prefill_written: dict[int, int] = field(default_factory=dict)  # layer -> prompt tokens written so far
     reserved_blocks: int = 0  # reserved at admission, not yet placed
+    block_names: list[bytes] = field(default_factory=list)  # the prompt's full blocks' prefix hashes
+    registered_blocks: int = 0  # the first blocks whose names are registered (shared ones included)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission (not prefilled)
 
 
 @dataclass(frozen=True)
@@ -216,6 +226,7 @@ class InplaceKVCache:
         self.seqs: dict[object, SequenceState] = {}
         self._free_slots = list(range(config.max_seqs - 1, -1, -1))
         self._steps = 0
+        self.prefix = PrefixCache()
 
     # ---------------------------------------------------------------- capacity and lifecycle
     @property
@@ -223,45 +234,69 @@ class InplaceKVCache:
         return self.config.format.block_size
 
     def free_blocks(self) -> int:
-        """Blocks a new sequence may still reserve: free in the regions and within the host budget."""
+        """Blocks a new sequence may still reserve: free in the regions (or held only by the prefix
+        cache, which gives them up when asked) and within the host budget."""
         reserved = sum(s.reserved_blocks for s in self.seqs.values())
-        placed = sum(len(s.blocks) for s in self.seqs.values())
-        in_regions = sum(a.num_free for a in self.compute_alloc) + self.transfer_alloc.num_free - reserved
-        return min(in_regions, self.config.host_budget_blocks() - placed - reserved)
+        held = self.allocated_blocks() - self.prefix.num_evictable  # blocks live sequences hold
+        in_regions = sum(a.num_free for a in self.compute_alloc) + self.transfer_alloc.num_free + \
+            self.prefix.num_evictable - reserved
+        return min(in_regions, self.config.host_budget_blocks() - held - reserved)
+
+    def allocated_blocks(self) -> int:
+        """Blocks allocated in every region: the live sequences' (a shared one once) and the prefix cache's."""
+        return sum(a.num_allocated for a in self.compute_alloc) + self.transfer_alloc.num_allocated
 
     def blocks_needed(self, max_tokens: int) -> int:
         """Blocks a sequence of max_tokens can ever seal: all but the tokens still in its window."""
         return max_tokens // self.block_size
 
-    def admit(self, seq_id, prompt_len: int, max_new_tokens: int) -> None:
+    def admit(self, seq_id, prompt_len: int, max_new_tokens: int, prompt: list[int] | None = None) -> int:
         """Reserves capacity for prompt_len + max_new_tokens and routes the prompt's full blocks;
-        raises CapacityError (nothing written, nothing reserved) when it cannot fit."""
+        raises CapacityError (nothing written, nothing reserved) when it cannot fit. prompt: its
+        token ids, to reuse the registered blocks of its prefix and register its own (None: no
+        reuse). Returns the prompt tokens found so (whole blocks, always fewer than prompt_len: the
+        prefill starts there, every layer)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted")
         if prompt_len < 1 or max_new_tokens < 0:
             raise ValueError(f"prompt_len must be >= 1 and max_new_tokens >= 0, got {prompt_len}, {max_new_tokens}")
+        if prompt is not None and len(prompt) != prompt_len:
+            raise ValueError(f"prompt has {len(prompt)} tokens, prompt_len is {prompt_len}")
         max_tokens = prompt_len + max_new_tokens
-        needed = self.blocks_needed(max_tokens)
+        full_blocks = prompt_len // self.block_size
+        names = [] if prompt is None else block_hashes(prompt, self.block_size, full_blocks)
+        # the prompt's last token is always prefilled: its logits give the first new token
+        shared = self.prefix.match(names[: (prompt_len - 1) // self.block_size])
+        needed = self.blocks_needed(max_tokens) - len(shared)
         if not self._free_slots:
             raise CapacityError(f"all {self.config.max_seqs} sequence slots are in use")
-        if needed > self.free_blocks():
-            raise CapacityError(f"sequence {seq_id!r} needs {needed} blocks for {max_tokens} tokens; "
-                                f"{self.free_blocks()} are free (block_size {self.block_size}) of the "
-                                f"{self.config.host_budget_blocks()} the host holds")
+        free = self.free_blocks() - self.prefix.evictable_among(shared)  # those are held again, not free
+        if needed > free:
+            raise CapacityError(f"sequence {seq_id!r} needs {needed} blocks for {max_tokens} tokens"
+                                f"{f' ({len(shared)} more are shared)' if shared else ''}; {free} are free "
+                                f"(block_size {self.block_size}) of the {self.config.host_budget_blocks()} the host "
+                                f"holds")
         state = SequenceState(slot=self._free_slots.pop(), prompt_len=prompt_len, max_tokens=max_tokens,
-                              num_tokens=prompt_len, reserved_blocks=needed)
+                              num_tokens=prompt_len, reserved_blocks=needed, block_names=names,
+                              registered_blocks=len(shared), cached_tokens=len(shared) * self.block_size)
         self.seqs[seq_id] = state
-        full_blocks = prompt_len // self.block_size
+        self.prefix.acquire(shared)
+        self._append_placements(state, shared)
+        if prompt is not None:
+            self.prefix.count_lookup(prompt_len, state.cached_tokens)
         try:
-            self._place(seq_id, full_blocks)
+            self._place(seq_id, full_blocks - len(shared))
         except HostMemoryError as error:  # nothing written yet: the sequence was never admitted
             self.finish(seq_id)
             raise CapacityError(f"sequence {seq_id!r}: {error}") from None
         state.window_len = prompt_len - full_blocks * self.block_size
+        state.prefill_written = dict.fromkeys(range(self.config.format.num_layers), state.cached_tokens) \
+            if state.cached_tokens else {}
+        return state.cached_tokens
 
     def finish(self, seq_id) -> None:
         state = self._state(seq_id)
-        self._free(state.blocks)
+        self._free([p for p in state.blocks if self.prefix.release(p)])  # registered blocks stay cached
         self.tables.clear(state.slot)
         self._free_slots.append(state.slot)
         del self.seqs[seq_id]
@@ -317,6 +352,18 @@ class InplaceKVCache:
         state.prefill_written[layer] = end
         if end == state.prompt_len:
             state.prefilled_layers.add(layer)
+        self._register_written(state)
+
+    def _register_written(self, state: SequenceState) -> None:
+        """Registers the prompt blocks now written in every layer (a chunk's, once its last layer is in)."""
+        if state.registered_blocks >= len(state.block_names):
+            return
+        layers = self.config.format.num_layers
+        written = min(state.prefill_written.get(layer, 0) for layer in range(layers))
+        upto = min(written // self.block_size, len(state.block_names))
+        for index in range(state.registered_blocks, upto):
+            self.prefix.register(state.blocks[index], state.block_names[index])
+        state.registered_blocks = max(state.registered_blocks, upto)
 
     def append(self, seq_id, layer: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
         """k [num_kv_heads, head_dim_k], v [num_kv_heads, head_dim_v]: the new token of one layer, into
@@ -387,13 +434,17 @@ class InplaceKVCache:
         except BaseException:  # a segment that could not be committed: the blocks had so far go back
             self._free(new)
             raise
+        self._append_placements(state, new)
+        state.reserved_blocks -= count
+
+    def _append_placements(self, state: SequenceState, new: list[Placement]) -> None:
+        """The sequence's next blocks, at the end of its placements, tables and transfer spans."""
         state.blocks.extend(new)
         for key in [*self._compute_keys(), _TRANSFER]:
             blocks = [p.block for p in new if (p.region, p.shard) == key]
             if blocks:
                 self.tables.append(key, state.slot, blocks)
         self.tables.extend_spans(state.slot, [p.block for p in new if p.region is Region.CPU_TRANSFER])
-        state.reserved_blocks -= count
 
     def _free(self, placements: list[Placement]) -> None:
         """The blocks go back to their allocators, and segments left idle give back their memory."""
@@ -405,7 +456,8 @@ class InplaceKVCache:
 
     def _allocate(self, preferred: Region) -> Placement:
         # The policy's region is a preference: when it is full, the other region takes the block
-        # (admission reserved the total, so one of them has room).
+        # (admission reserved the total, so one of them has room, or the prefix cache gives one up).
+        self._evict_for(preferred)
         shard = max(range(len(self.compute_alloc)), key=lambda s: self.compute_alloc[s].num_free)
         order = [preferred, Region.CPU_TRANSFER if preferred is Region.CPU_COMPUTE else Region.CPU_COMPUTE]
         for region in order:
@@ -422,6 +474,18 @@ class InplaceKVCache:
                     raise
                 return Placement(region, shard if region is Region.CPU_COMPUTE else 0, block)
         raise AssertionError("admission reserved a block that no region has")
+
+    def _evict_for(self, preferred: Region) -> None:
+        """Evicts cached unused blocks, least recently used first, while no region has a free block
+        or the allocated blocks reach the host budget (cached ones count there: they hold memory);
+        from the preferred region first, so that the block lands where the policy wants it."""
+        budget = self.config.host_budget_blocks()
+        while self.prefix.num_evictable:
+            full = not (self.transfer_alloc.num_free or any(a.num_free for a in self.compute_alloc))
+            if not full and self.allocated_blocks() < budget:
+                return
+            block = self.prefix.evict(lambda p: p.region is preferred) or self.prefix.evict()
+            self._free([block])
 
     def _write_blocks(self, placements: list[Placement], layers: list[int], rows: list[torch.Tensor]) -> None:
         """rows: one [len(layers), num_kv_heads, len(placements), block_size, dim] per stored array, the
@@ -582,7 +646,7 @@ class InplaceKVCache:
     def check_integrity(self) -> None:
         """Every token of every live sequence is in exactly one region; tables, spans and
         allocators agree with the placements."""
-        owned = {}
+        owned, held = {}, {}
         for seq_id, state in self.seqs.items():
             placed = len(state.blocks) * self.block_size
             assert placed + state.window_len == state.num_tokens, f"{seq_id!r}: tokens do not add up"
@@ -595,10 +659,16 @@ class InplaceKVCache:
             spans = self.tables.spans.get(state.slot, [])
             assert [b for first, n in spans for b in range(first, first + n)] == \
                 self.tables.row(_TRANSFER, state.slot), f"{seq_id!r}: transfer spans differ from its table"
+            assert state.registered_blocks <= len(state.block_names)
             for p in state.blocks:
                 key = (p.region, p.shard, p.block)
-                assert key not in owned, f"block {key} is owned by {owned[key]!r} and {seq_id!r}"
+                assert key not in owned or self.prefix.users(p), f"block {key} is owned by {owned[key]!r} and " \
+                                                                 f"{seq_id!r} and not shared"
                 owned[key] = seq_id
+                held[p] = held.get(p, 0) + 1
+        self.prefix.check_integrity(held)
+        for p in self.prefix.evictable_blocks():  # cached, held by none: still allocated, still in memory
+            owned[(p.region, p.shard, p.block)] = "the prefix cache"
         for shard, alloc in enumerate(self.compute_alloc):
             alloc.check_integrity()
             mine = {b for (r, s, b) in owned if r is Region.CPU_COMPUTE and s == shard}
@@ -629,8 +699,9 @@ class InplaceKVCache:
         return sum(region.resident_bytes() for region, _ in self._regions())
 
     def placed_bytes(self) -> int:
-        """Host bytes of the KV placed now: every sealed block of every live sequence."""
-        return sum(len(s.blocks) for s in self.seqs.values()) * self.config.block_bytes
+        """Host bytes of the KV placed now: every sealed block of every live sequence (a shared one
+        once), and the prefix cache's unused ones."""
+        return self.allocated_blocks() * self.config.block_bytes
 
     # ---------------------------------------------------------------- helpers
     def _regions(self) -> list[tuple[HostRegion, BlockAllocator]]:

@@ -58,11 +58,13 @@ class PromptEncoder:
         self.max_seq_len = max_seq_len
         self.max_prompt_chars = max_seq_len * _longest_token_chars(tokenizer) * _COMPOSITION_SLACK
 
-    def encode(self, prompt, max_new_tokens: int = 0, position: int = 0) -> list[int]:
+    def encode(self, prompt, max_new_tokens: int = 0, position: int = 0, add_special_tokens: bool = True) -> list[int]:
         """The prompt's ids; ValueError when it is empty, bad, or longer than max_seq_len -
-        max_new_tokens (the messages name prompt `position` of its call)."""
+        max_new_tokens (the messages name prompt `position` of its call). add_special_tokens: the
+        tokenizer's own (a BOS, say); off for a chat template's text, which writes its own."""
         room = self.max_seq_len - max_new_tokens
-        ids = self._text_ids(prompt, position) if isinstance(prompt, str) else self._checked_ids(prompt, room, position)
+        ids = self._text_ids(prompt, position, add_special_tokens) if isinstance(prompt, str) else \
+            self._checked_ids(prompt, room, position)
         if not ids:
             raise ValueError(f"prompt {position} is empty")
         if len(ids) > room:
@@ -70,7 +72,7 @@ class PromptEncoder:
                              f"exceeds max_seq_len={self.max_seq_len}")
         return ids
 
-    def _text_ids(self, text: str, position: int) -> list[int]:
+    def _text_ids(self, text: str, position: int, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer.json: pass prompts as lists of token ids")
         at = find_lone_surrogate(text)
@@ -82,7 +84,7 @@ class PromptEncoder:
                              f"max_seq_len={self.max_seq_len} tokens can hold ({self.max_prompt_chars}): "
                              f"it exceeds max_seq_len")
         try:
-            return self.tokenizer.encode(text).ids
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         except Exception as error:  # noqa: BLE001 - a tokenizer's failure on one text is that prompt's fault
             log.warning("the tokenizer failed on prompt %d: %s", position, error)
             raise ValueError(f"prompt {position} could not be tokenised: the tokenizer refused its text") from None

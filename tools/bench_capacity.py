@@ -36,7 +36,7 @@ def run(args) -> dict:
     max_new_tokens = prefill_turns + args.new_tokens
     engine = RayEngine.from_pretrained(args.preset, dtype="bfloat16", policy=args.policy, max_batch_size=args.batch,
                                        max_seq_len=args.context + max_new_tokens, window_tokens=args.window_tokens,
-                                       prefill_chunk_tokens=args.prefill_chunk_tokens)
+                                       prefill_chunk_tokens=args.prefill_chunk_tokens, enable_prefix_caching=False)
     try:
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, 250, (args.context,), generator=generator).tolist() for _ in range(args.batch)]

@@ -105,7 +105,8 @@ def run(args) -> dict:
     engine = RandomKVEngine.from_model(model, byte_level_tokenizer(), torch.bfloat16, policy=policy,
                                        max_batch_size=args.batch, max_seq_len=max_seq_len,
                                        window_tokens=args.window_tokens,
-                                       prefill_chunk_tokens=whole_batch_chunk(args.batch, args.context, 16))
+                                       prefill_chunk_tokens=whole_batch_chunk(args.batch, args.context, 16),
+                                       enable_prefix_caching=False)
     calibrated = engine.calibrate()
     policy.estimator.reset_to(calibrated)
     hog = Hog(args.hog)

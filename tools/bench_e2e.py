@@ -55,7 +55,8 @@ def engine_tok_s(path, policy, prompts, new_tokens, dtype, device="cpu", executo
     # first len(prompts) are whole-batch decode steps.
     engine = Engine.from_pretrained(path, policy=policy, dtype=dtype, max_batch_size=len(prompts),
                                     max_seq_len=len(prompts[0]) + new_tokens, device=device, executor=executor,
-                                    prefill_chunk_tokens=whole_batch_chunk(len(prompts), len(prompts[0]), 16))
+                                    prefill_chunk_tokens=whole_batch_chunk(len(prompts), len(prompts[0]), 16),
+                                    enable_prefix_caching=False)
     try:
         started, step_ends = time.perf_counter(), []
         for count, _ in enumerate(engine.generate_stream(prompts, max_new_tokens=new_tokens), start=1):

@@ -35,7 +35,7 @@ def run(args) -> dict:
     config = EngineConfig(model=args.preset, dtype="bfloat16", policy=args.policy, max_batch_size=1,
                           max_seq_len=args.context + args.new_tokens, window_tokens=args.window_tokens,
                           device=args.device, prefill_chunk_tokens=args.prefill_chunk_tokens,
-                          pingpong_blocks=pingpong_blocks)
+                          pingpong_blocks=pingpong_blocks, enable_prefix_caching=False)
     engine = Engine.from_config(config)
     try:
         prompt = torch.randint(1, 250, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()

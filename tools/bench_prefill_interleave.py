@@ -35,7 +35,7 @@ log = logging.getLogger("bench_prefill_interleave")
 
 def measure(args, chunk: int) -> dict:
     config = EngineConfig(model=args.preset, dtype="bfloat16", policy="all_cpu", max_batch_size=2,
-                          max_seq_len=args.context + 64, prefill_chunk_tokens=chunk)
+                          max_seq_len=args.context + 64, prefill_chunk_tokens=chunk, enable_prefix_caching=False)
     engine = Engine.from_config(config)
     service = EngineService(engine, max_waiting=4)
     try:
@@ -72,7 +72,7 @@ def measure_http(args, chunk: int) -> dict:
     from writescope.tools.local_serve import local_serve_app
 
     app_args = {"model": args.preset, "dtype": "bfloat16", "policy": "all_cpu", "max_batch_size": 2,
-                "max_seq_len": args.context + 64, "prefill_chunk_tokens": chunk}
+                "max_seq_len": args.context + 64, "prefill_chunk_tokens": chunk, "enable_prefix_caching": False}
     long_prompt = torch.randint(1, 250, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
     stamps, long_times = [], {}
     with local_serve_app(app_args) as base_url:

@@ -29,6 +29,7 @@ from writescope.engine import Engine
 from writescope.models.moe_model import MoEModel
 from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
 from writescope.policies import POLICY_NAMES
+from writescope.sampling import Sampled
 from writescope.tools.results import host_info, write_json
 
 log = logging.getLogger("bench_split")
@@ -49,8 +50,9 @@ class RandomKVEngine(Engine):
 
     _random_kv = None  # [num_kv_heads, tokens, dim] per stored array, the longest prompt's so far
 
-    def _prefill_chunk(self, request) -> int:
-        """The whole prompt at once, random KV (the prefill's cost is not what this tool measures)."""
+    def _prefill_chunk(self, request) -> Sampled:
+        """The whole prompt at once, random KV (the prefill's cost is not what this tool measures;
+        the engines are made without prefix caching: every prompt is written)."""
         fmt = self.cache.config.format
         length = len(request.prompt)
         if self._random_kv is None or self._random_kv[0].shape[1] < length:
@@ -61,7 +63,7 @@ class RandomKVEngine(Engine):
         for layer in range(self.config.num_layers):
             self.cache.write_prefill(request.seq_id, layer, *arrays)
         request.prefilled = length
-        return request.prompt[-1]
+        return Sampled([request.prompt[-1]], [None])
 
 
 def whole_batch_chunk(batch: int, context: int, block_size: int) -> int:
@@ -99,7 +101,8 @@ def run_point(model, tokenizer, policy: str, context: int, batch: int, args) -> 
     engine = RandomKVEngine.from_model(model, tokenizer, torch.bfloat16, policy=policy, max_batch_size=batch,
                                        max_seq_len=context + args.new_tokens, block_size=args.block_size,
                                        window_tokens=window, pingpong_blocks=pingpong,
-                                       prefill_chunk_tokens=whole_batch_chunk(batch, context, args.block_size))
+                                       prefill_chunk_tokens=whole_batch_chunk(batch, context, args.block_size),
+                                       enable_prefix_caching=False)
     try:
         generator = torch.Generator().manual_seed(batch)
         prompts = [torch.randint(0, 256, (context,), generator=generator).tolist() for _ in range(batch)]

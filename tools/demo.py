@@ -36,7 +36,8 @@ def run_policy(args, policy: str, prompts) -> dict:
     max_new_tokens = args.batch * -(-args.context // chunk) + args.new_tokens
     engine = Engine.from_pretrained(args.preset, policy=policy, dtype=args.dtype, max_batch_size=args.batch,
                                     max_seq_len=args.context + max_new_tokens, window_tokens=args.window,
-                                    emulated_nodes=args.emulated_nodes, executor=args.executor)
+                                    emulated_nodes=args.emulated_nodes, executor=args.executor,
+                                    enable_prefix_caching=False)
     try:
         started = time.perf_counter()
         shares, placed, prefilled, tokens = [], {}, set(), 0

@@ -32,7 +32,7 @@ def decoding_engine(preset: str, policy: str, batch: int, context: int, *, block
     each further next() is one decode step of the batch."""
     engine = Engine.from_pretrained(preset, policy=policy, dtype=dtype, max_batch_size=batch,
                                     max_seq_len=context + max_new_tokens, block_size=block_size,
-                                    window_tokens=window_tokens)
+                                    window_tokens=window_tokens, enable_prefix_caching=False)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (context,), generator=generator).tolist() for _ in range(batch)]
     events = engine.generate_stream(prompts, max_new_tokens=max_new_tokens)

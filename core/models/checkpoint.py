@@ -4,6 +4,7 @@ by name and shape; what is missing or mismatched is a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -82,7 +83,13 @@ def load_config(path: str) -> ModelConfig:
     if not os.path.isfile(config_path):
         raise ValueError(f"{path!r} is not a checkpoint directory: config.json is missing")
     with open(config_path) as f:
-        return ModelConfig.from_hf(json.load(f))
+        config = ModelConfig.from_hf(json.load(f))
+    from writescope.chat import load_generation_defaults  # chat reads the presets, which import this module
+
+    # generation_config.json's EOS list ends generation too (an instruct model's end-of-turn token)
+    generation_eos = load_generation_defaults(path).eos_token_ids
+    extra = tuple(e for e in generation_eos if e not in config.eos_token_ids)
+    return dataclasses.replace(config, eos_token_ids=config.eos_token_ids + extra) if extra else config
 
 
 def weight_files(path: str) -> list[str]:

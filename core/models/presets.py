@@ -12,7 +12,12 @@ from writescope.models.checkpoint import expected_shapes
 from writescope.models.config import ModelConfig
 
 EOS_TOKEN_ID = 256  # bytes are 0..255; then the special tokens
+TURN_TOKEN_ID = 257  # <|im_start|>: opens a chat turn
 VOCAB_SIZE = 320
+# ChatML's turns, each closed by the presets' one end token (<eos>, which also ends generation)
+PRESET_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 TINY_PRESETS = {
     "tiny-deepseek-v2": {
@@ -66,7 +71,7 @@ def preset_weights(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> di
 
 
 def byte_level_tokenizer():
-    """A byte-level tokenizer (256 byte tokens, no merges, then <eos>) made offline."""
+    """A byte-level tokenizer (256 byte tokens, no merges, then <eos> and <|im_start|>) made offline."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -75,10 +80,11 @@ def byte_level_tokenizer():
     vocab = {byte_to_char[b]: b for b in range(256)}
     assert set(vocab) == set(alphabet)
     vocab["<eos>"] = EOS_TOKEN_ID
+    vocab["<|im_start|>"] = TURN_TOKEN_ID
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(["<eos>"])
+    tokenizer.add_special_tokens(["<eos>", "<|im_start|>"])
     return tokenizer
 
 

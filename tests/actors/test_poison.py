@@ -59,23 +59,35 @@ NESTED = b'{"model": "tiny-qwen3-moe", "prompt": ' + b"[" * 40_000 + b"]" * 40_0
 POISONS = {
     "temperature 1e-300": ("/v1/completions", body(temperature=1e-300), {200}),
     "top_p 1e-300": ("/v1/completions", body(temperature=1.0, top_p=1e-300), {200}),
-    "lone surrogate in the prompt": ("/v1/completions", b'{"model": "tiny-qwen3-moe", "prompt": "a\\ud800b"}', {422}),
+    "lone surrogate in the prompt": ("/v1/completions", b'{"model": "tiny-qwen3-moe", "prompt": "a\\ud800b"}', {400}),
     "lone surrogate in chat content": ("/v1/chat/completions", b'{"model": "tiny-qwen3-moe", "messages": '
-                                       b'[{"role": "user", "content": "x\\udfffy"}]}', {422}),
+                                       b'[{"role": "user", "content": "x\\udfffy"}]}', {400}),
     "lone surrogate in a stop string": ("/v1/completions", b'{"model": "tiny-qwen3-moe", "prompt": "a", '
-                                        b'"stop": ["\\ud83d"]}', {422}),
+                                        b'"stop": ["\\ud83d"]}', {400}),
     "10 MB body": ("/v1/completions", body(prompt="x" * 10_000_000), {413}),
     "50 MB body": ("/v1/completions", body(prompt=[7] * 16_000_000), {413}),
-    "empty stop string": ("/v1/completions", body(stop=[""]), {422}),
-    "seed 2**80 with sampling": ("/v1/completions", body(seed=2**80, temperature=1.0), {422}),
-    "NaN temperature": ("/v1/completions", b'{"model": "tiny-qwen3-moe", "prompt": "a", "temperature": NaN}', {422}),
-    "Infinity top_p": ("/v1/completions", b'{"model": "tiny-qwen3-moe", "prompt": "a", "top_p": Infinity}', {422}),
+    "empty stop string": ("/v1/completions", body(stop=[""]), {400}),
+    "seed 2**80 with sampling": ("/v1/completions", body(seed=2**80, temperature=1.0), {400}),
+    "NaN temperature": ("/v1/completions", b'{"model": "tiny-qwen3-moe", "prompt": "a", "temperature": NaN}', {400}),
+    "Infinity top_p": ("/v1/completions", b'{"model": "tiny-qwen3-moe", "prompt": "a", "top_p": Infinity}', {400}),
     "nested JSON": ("/v1/completions", NESTED, {400}),
     "invalid UTF-8": ("/v1/completions", b'{"model": "tiny-qwen3-moe", "prompt": "a\xff\xfeb"}', {400}),
     "token id past the vocabulary": ("/v1/completions", body(prompt=[1, 2, 10**30]), {400}),
     "prompt longer than max_seq_len": ("/v1/completions", body(prompt=[5] * MAX_SEQ_LEN), {400}),
     "max_tokens of 10**12": ("/v1/completions", body(max_tokens=10**12), {400}),
-    "not an object": ("/v1/completions", b"[1, 2, 3]", {422}),
+    "not an object": ("/v1/completions", b"[1, 2, 3]", {400}),
+    "top_k of -5": ("/v1/completions", body(top_k=-5), {400}),
+    "logprobs of 10**9": ("/v1/completions", body(logprobs=10**9), {400}),
+    "repetition_penalty 0": ("/v1/completions", body(repetition_penalty=0), {400}),
+    "stop_token_ids of -1": ("/v1/completions", body(stop_token_ids=[-1]), {400}),
+    "10**6 stop_token_ids": ("/v1/completions", body(stop_token_ids=[1] * 10**6), {400, 413}),
+    "tools": ("/v1/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                  "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(),
+              {400}),
+    "n of 3": ("/v1/completions", body(n=3), {400}),
+    "a template variable that breaks the template": ("/v1/chat/completions", json.dumps({
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}],
+        "chat_template_kwargs": {"messages": 5}}).encode(), {400}),
 }
 
 

@@ -339,7 +339,7 @@ def test_a_running_stream_gets_tokens_while_a_long_prompt_is_prefilled():
     from writescope.sampling import SamplingParams
 
     short, long = list(range(1, 6)), [(7 * i) % 250 + 1 for i in range(120)]
-    engine = small_engine(prefill_chunk_tokens=8)
+    engine = small_engine(prefill_chunk_tokens=8, enable_prefix_caching=False)  # the solo run would cache the long one
     try:
         solo = [engine.generate([p], max_new_tokens=n)[0].token_ids for p, n in ((short, 30), (long, 4))]
         requests = [engine.make_request(i, p, SamplingParams(max_new_tokens=n))
@@ -417,7 +417,7 @@ def test_a_request_that_fails_mid_prefill_ends_alone_and_the_running_stream_goes
 
     from writescope.sampling import SamplingParams
 
-    engine = small_engine(prefill_chunk_tokens=8)
+    engine = small_engine(prefill_chunk_tokens=8, enable_prefix_caching=False)  # chunks from token 0
     try:
         solo = engine.generate([list(range(1, 6))], max_new_tokens=12)[0].token_ids
         short = engine.make_request(0, list(range(1, 6)), SamplingParams(max_new_tokens=12))

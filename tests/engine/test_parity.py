@@ -13,6 +13,7 @@ import torch
 
 from writescope.engine import Engine
 from writescope.policies import POLICY_NAMES, Region
+from writescope.sampling import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -114,3 +115,26 @@ def test_same_tokens_and_logits_as_transformers(checkpoint, policy, prefill, dev
         assert output.finish_reason == "length"
         for ours, theirs in zip(output.logits, logits, strict=True):
             torch.testing.assert_close(ours, theirs.float(), **LOGITS)
+
+
+def test_greedy_logprobs_are_the_log_softmax_of_transformers_logits(checkpoint, tmp_path, monkeypatch):
+    """What the HTTP logprobs report: the model's log-probability of each chosen token and its five
+    most likely alternatives, against transformers' logits on the same weights."""
+    monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
+    path, prompts, expected = checkpoint
+    engine = Engine.from_pretrained(path, policy="fixed_half", dtype="float32", window_tokens=8, block_size=4,
+                                    max_batch_size=2, max_seq_len=320)
+    try:
+        params = [SamplingParams(NEW_TOKENS, 0.0, logprobs=5)] * len(prompts)
+        outputs = engine.generate(prompts, params=params)
+    finally:
+        engine.shutdown()
+    for output, (tokens, logits) in zip(outputs, expected, strict=True):
+        assert output.token_ids == tokens
+        assert len(output.logprobs) == NEW_TOKENS
+        for token, ours, theirs in zip(tokens, output.logprobs, logits, strict=True):
+            reference = torch.log_softmax(theirs.double(), dim=-1)
+            assert ours.logprob == pytest.approx(float(reference[token]), abs=1e-4)
+            top = torch.topk(reference, 5)
+            assert [i for i, _ in ours.top] == top.indices.tolist()
+            assert [v for _, v in ours.top] == pytest.approx(top.values.tolist(), abs=1e-4)
