@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_argument("--address", default=None, help="a Ray cluster to use (default: an embedded local Ray)")
     serve_cmd.add_argument("--max-body-bytes", type=int, default=None,
                            help="largest request body accepted (default: 64 KiB + 32 bytes per max_seq_len token)")
+    serve_cmd.add_argument("--chat-template", default=None,
+                           help="a Jinja chat template (a file, or its text) replacing the checkpoint's")
+    serve_cmd.add_argument("--served-model-name", default=None,
+                           help="the model name clients send (default: the checkpoint directory's name)")
 
     bench = commands.add_parser("bench", help="a benchmark (cpu | gpu | e2e | orchestration | split | contention), "
                                 "then its own flags")
@@ -146,7 +150,8 @@ def _serve(args) -> int:
 
     serve.start(http_options={"host": args.host, "port": args.port})
     app_args = {**EngineConfig.from_args(args).to_dict(), "max_queue": args.max_queue,
-                "api_key_env": args.api_key_env, "max_body_bytes": args.max_body_bytes}
+                "api_key_env": args.api_key_env, "max_body_bytes": args.max_body_bytes,
+                "chat_template": args.chat_template, "served_model_name": args.served_model_name}
     serve.run(build_app(app_args), name="writescope", route_prefix="/")
     logging.getLogger("writescope.serve").info("serving on http://%s:%d/v1 (Ctrl-C stops)", args.host, args.port)
     stop = []

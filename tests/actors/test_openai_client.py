@@ -232,64 +232,20 @@ HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e
 def test_latency_histograms_are_exported_after_traffic(client):
     for _ in range(3):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
-    deadline, counts = time.monotonic() + 60, {}
-    while time.monotonic() < deadline:  # Ray's agents export every few seconds
+    deadline = time.monotonic() + 60
+    while True:  # Ray's agents export every few seconds: until every figure shows the traffic
         text = _scrape()
-        counts = {name: sum(float(v) for v in re.findall(rf"^ray_writescope_{name}_count{{[^}}]*}} (\S+)$", text,
-                                                         re.MULTILINE)) for name in HISTOGRAMS}
-        finished = re.findall(r'^ray_writescope_request_success_total{[^}]*finished_reason="length"[^}]*} (\S+)$',
-                              text, re.MULTILINE)
-        prompt_tokens = re.findall(r"^ray_writescope_prompt_tokens_total{[^}]*} (\S+)$", text, re.MULTILINE)
-        if all(counts.values()) and finished and prompt_tokens:
+        counts = {name: _summed(text, f"ray_writescope_{name}_count") for name in HISTOGRAMS}
+        # summed over the series of both apps' replicas (each its own worker)
+        finished = _summed(text, "ray_writescope_request_success_total", 'finished_reason="[a-z]+"')
+        prompt_tokens = _summed(text, "ray_writescope_prompt_tokens_total")
+        if (min(counts.values()) >= 1 and finished >= 3 and prompt_tokens >= 3 * 20) or time.monotonic() > deadline:
             break
         time.sleep(2)
-    assert all(count >= 1 for count in counts.values()), counts
-    # summed over the series of both apps' replicas (each its own worker)
-    assert sum(map(float, finished)) >= 3 and sum(map(float, prompt_tokens)) >= 3 * 20
+    assert min(counts.values()) >= 1, counts
+    assert finished >= 3 and prompt_tokens >= 3 * 20, (finished, prompt_tokens)
 
 
-def _gpu_worker_states() -> list[dict]:
-    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].endswith("-gpu-worker")]
-    return [ray.get(ray.get_actor(a["name"], namespace=a["namespace"]).state.remote()) for a in actors]
-
-
-def _timed_chat(client, messages) -> tuple[float, list[int], object]:
-    """(seconds to the first token, the tokens, the usage) of a streamed greedy chat answer."""
-    began, first_s, tokens, usage = time.monotonic(), None, [], None
-    for chunk in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
-                                                stream=True, stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True}):
-        if chunk.choices and chunk.choices[0].model_extra["token_ids"]:
-            first_s = first_s or time.monotonic() - began
-            tokens += chunk.choices[0].model_extra["token_ids"]
-        usage = chunk.usage or usage
-    return first_s, tokens, usage
-
-
-def test_a_second_turn_over_a_long_document_reuses_its_prefill(server, client, caplog):
-    """Multi-turn over one 16K-token document: the second turn is admitted holding the first's
-    blocks (cached_tokens in its usage, few new blocks), its first token comes sooner, and its
-    tokens are those of the same weights served without prefix reuse."""
-    document = "".join(chr(97 + (7 * i) % 26) for i in range(16384))  # byte-level: a token a letter
-    first_turn = [{"role": "user", "content": f"Read this: {document}\nWhat is it?"}]
-    second_turn = [*first_turn, {"role": "assistant", "content": "Letters."}, {"role": "user", "content": "More?"}]
-    first_s, first_tokens, first_usage = _timed_chat(client, first_turn)
-    states = _gpu_worker_states()
-    allocated_after_first = max(s["prefix_cache"]["allocated_blocks"] for s in states)
-    second_s, second_tokens, second_usage = _timed_chat(client, second_turn)
-    after = max(_gpu_worker_states(), key=lambda s: s["prefix_cache"]["hit_tokens"])
-    new_blocks = after["prefix_cache"]["allocated_blocks"] - allocated_after_first
-    assert first_usage.prompt_tokens_details.cached_tokens < 64 < first_usage.prompt_tokens
-    cached = second_usage.prompt_tokens_details.cached_tokens
-    assert cached >= 16384 and cached % 16 == 0, second_usage
-    # the second turn's own blocks only: what follows the shared prefix, and its answer's window
-    assert new_blocks <= (second_usage.prompt_tokens - cached) // 16 + 1, new_blocks
-    assert second_s < first_s / 3, (first_s, second_s)
-    print(f"16K document: first turn TTFT {first_s:.3f} s, second {second_s:.3f} s with {cached} of "  # noqa: T201
-          f"{second_usage.prompt_tokens} prompt tokens reused, {new_blocks} new blocks")
-    ids = requests.post(f"{server}/tokenize", timeout=60, json={"model": MODEL, "messages": second_turn}).json()
-    bare = openai.OpenAI(base_url=f"{server}/bare/v1", api_key="unused", max_retries=0, timeout=300)
-    reference = bare.completions.create(model="bare", prompt=ids["tokens"], max_tokens=6, temperature=0,
-                                        extra_body={"ignore_eos": True})
-    assert second_tokens == _tokens(reference)
-    assert reference.usage.prompt_tokens_details.cached_tokens == 0
+def _summed(text: str, name: str, label: str = "") -> float:
+    pattern = rf"^{name}{{[^}}]*{label}[^}}]*}} (\S+)$"
+    return sum(float(value) for value in re.findall(pattern, text, re.MULTILINE))
