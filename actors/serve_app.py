@@ -4,8 +4,12 @@
     serve run writescope.actors.serve_app:build_app model=tiny-qwen3-moe    # the same, from the command line
 
 Routes: POST /v1/completions and /v1/chat/completions (both with "stream": true as server-sent
-events), GET /v1/models, GET /health. The ingress (FastAPI inside Serve) holds a RayEngine: the GPU
-worker's EngineService batches the requests of every caller together (continuous batching).
+events), POST /tokenize and /detokenize (vLLM's), GET /v1/models, /v1/models/{id}, /health. The
+ingress (FastAPI inside Serve) holds a RayEngine: the GPU worker's EngineService batches the
+requests of every caller together (continuous batching). Chat renders the checkpoint's chat template
+(writescope.chat); request bodies and their parameters are writescope.actors.openai_protocol's, each
+honoured or refused with a 400 naming it. Latencies (TTFT, inter-token, e2e, queue time) and token
+counters go out through Ray's metrics API under vLLM's names (see _Metrics).
 
 No request can hurt another. Every input is checked here, before it reaches the engine: the body's
 size (413 past max_body_bytes, decided from Content-Length before a byte is read), its JSON and
