@@ -272,7 +272,7 @@ class _RequestTimer:
             self.recorder.queue.observe(max(event.queue_s, 1e-9))
         if event.cached_tokens is not None:
             self.cached_tokens = event.cached_tokens
-            self.recorder.prefix_queries.inc(max(self.prompt_tokens, 1))
+            self.recorder.prefix_queries.inc(self.prompt_tokens)
             if event.cached_tokens:
                 self.recorder.prefix_hits.inc(event.cached_tokens)
         if event.finish_reason is not None:
@@ -485,7 +485,7 @@ class OpenAIIngress:
             return response
         submitted = response
         self._metrics.requests.inc(tags={"route": route, "status": "200"})
-        self._metrics.prompt_tokens.inc(max(submitted["prompt_tokens"], 1))
+        self._metrics.prompt_tokens.inc(submitted["prompt_tokens"])  # >= 1: the encoder refuses empty prompts
         timer = _RequestTimer(self._metrics, arrival_s, submitted["prompt_tokens"])
         reply = _Reply(f"{'chatcmpl' if chat else 'cmpl'}-{secrets.token_hex(12)}", self.model_name, chat,
                        submitted["prompt_tokens"], self.tokenizer,

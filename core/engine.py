@@ -14,7 +14,6 @@ token, or max_new_tokens.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections import deque
@@ -112,6 +111,7 @@ class _Request:
     created_s: float = field(default_factory=time.monotonic)  # when it was made (queued)
     admitted_s: float | None = None  # when the cache admitted it (its queue time ends)
     cached_tokens: int = 0  # prompt tokens whose KV the prefix cache had (its prefill starts after them)
+    block_names: list[bytes] | None = None  # its full blocks' prefix-cache names (None: no reuse)
 
     @property
     def max_new_tokens(self) -> int:
@@ -334,8 +334,10 @@ class Engine:
             generator = make_generator(seed)
         stop_strings = tuple(s for s in params.stop if isinstance(s, str))
         stop_ids = frozenset(s for s in params.stop if isinstance(s, int))
+        # hashed here, in the caller's thread, once: not in the engine's loop each turn the request waits
+        names = self.cache.block_names(ids) if self.enable_prefix_caching else None
         return _Request(index, ids, params, SamplerRow(params, generator, ids, self.config.vocab_size), stop_strings,
-                        stop_ids)
+                        stop_ids, block_names=names)
 
     def _run(self, requests: list[_Request]) -> Iterator[StreamEvent]:
         """Generates a fixed set of requests to the end; a request that can never fit raises."""
@@ -384,7 +386,7 @@ class Engine:
                 continue
             try:
                 cached = self.cache.admit(request.seq_id, len(request.prompt), request.max_new_tokens,
-                                          prompt=request.prompt if self.enable_prefix_caching else None)
+                                          block_names=request.block_names)
             except CapacityError:
                 if running or prefilling:
                     return  # it waits for a running sequence to finish
@@ -443,20 +445,16 @@ class Engine:
             return self._fail(request, "the model's logits for this request were not finite: it was ended, the "
                               "other requests go on", INTERNAL_ERROR)
         try:
-            event = self._accept_token(request, token)
-            if logprobs is not None:
-                request.logprobs.append(logprobs)
-            if len(request.tokens) > 1 or request.admitted_s is None:
-                return dataclasses.replace(event, logprobs=logprobs)
-            return dataclasses.replace(event, logprobs=logprobs, queue_s=request.admitted_s - request.created_s,
-                                       cached_tokens=request.cached_tokens)
+            return self._accept_token(request, token, logprobs)
         except Exception:  # noqa: BLE001 - detokenisation or stop matching of one request
             log.exception("request %s failed after token %d", request.index, token)
             return self._fail(request, "an internal error ended this request; the engine's log has the details",
                               INTERNAL_ERROR)
 
-    def _accept_token(self, request: _Request, token: int) -> StreamEvent:
+    def _accept_token(self, request: _Request, token: int, logprobs: TokenLogprobs | None = None) -> StreamEvent:
         request.tokens.append(token)
+        if logprobs is not None:
+            request.logprobs.append(logprobs)
         request.sampler.observe(token)
         text_before = len(request.text)
         added = self._decode_text(request)
@@ -466,8 +464,12 @@ class Engine:
             request.finish_reason = "stop"
         elif len(request.tokens) >= request.max_new_tokens:
             request.finish_reason = "length"
-        # after a stop string cut, the event carries only what is left of the new text
-        return StreamEvent(request.index, token, request.text[text_before:], request.finish_reason)
+        # after a stop string cut, the event carries only what is left of the new text; the first
+        # token's event also says how long the request queued and how much of its prompt was reused
+        first = len(request.tokens) == 1 and request.admitted_s is not None
+        return StreamEvent(request.index, token, request.text[text_before:], request.finish_reason,
+                           logprobs=logprobs, queue_s=request.admitted_s - request.created_s if first else None,
+                           cached_tokens=request.cached_tokens if first else None)
 
     def _decode_text(self, request: _Request) -> str:
         """The text the newest token adds, decoding only the tokens since the last settled point (a

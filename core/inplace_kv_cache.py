@@ -250,21 +250,26 @@ class InplaceKVCache:
         """Blocks a sequence of max_tokens can ever seal: all but the tokens still in its window."""
         return max_tokens // self.block_size
 
-    def admit(self, seq_id, prompt_len: int, max_new_tokens: int, prompt: list[int] | None = None) -> int:
+    def block_names(self, prompt: list[int]) -> list[bytes]:
+        """The prefix-cache names of a prompt's full blocks (what admit takes to reuse them):
+        computed once per request, by its caller, not again each time its admission is tried."""
+        return block_hashes(prompt, self.block_size, len(prompt) // self.block_size)
+
+    def admit(self, seq_id, prompt_len: int, max_new_tokens: int, block_names: list[bytes] | None = None) -> int:
         """Reserves capacity for prompt_len + max_new_tokens and routes the prompt's full blocks;
-        raises CapacityError (nothing written, nothing reserved) when it cannot fit. prompt: its
-        token ids, to reuse the registered blocks of its prefix and register its own (None: no
-        reuse). Returns the prompt tokens found so (whole blocks, always fewer than prompt_len: the
-        prefill starts there, every layer)."""
+        raises CapacityError (nothing written, nothing reserved) when it cannot fit. block_names:
+        the prompt's (block_names(prompt)), to reuse the registered blocks of its prefix and
+        register its own (None: no reuse). Returns the prompt tokens found so (whole blocks, always
+        fewer than prompt_len: the prefill starts there, every layer)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted")
         if prompt_len < 1 or max_new_tokens < 0:
             raise ValueError(f"prompt_len must be >= 1 and max_new_tokens >= 0, got {prompt_len}, {max_new_tokens}")
-        if prompt is not None and len(prompt) != prompt_len:
-            raise ValueError(f"prompt has {len(prompt)} tokens, prompt_len is {prompt_len}")
         max_tokens = prompt_len + max_new_tokens
         full_blocks = prompt_len // self.block_size
-        names = [] if prompt is None else block_hashes(prompt, self.block_size, full_blocks)
+        if block_names is not None and len(block_names) != full_blocks:
+            raise ValueError(f"{len(block_names)} block names for a prompt of {full_blocks} full blocks")
+        names = block_names or []
         # the prompt's last token is always prefilled: its logits give the first new token
         shared = self.prefix.match(names[: (prompt_len - 1) // self.block_size])
         needed = self.blocks_needed(max_tokens) - len(shared)
@@ -282,7 +287,7 @@ class InplaceKVCache:
         self.seqs[seq_id] = state
         self.prefix.acquire(shared)
         self._append_placements(state, shared)
-        if prompt is not None:
+        if block_names is not None:
             self.prefix.count_lookup(prompt_len, state.cached_tokens)
         try:
             self._place(seq_id, full_blocks - len(shared))

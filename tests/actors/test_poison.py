@@ -85,6 +85,11 @@ POISONS = {
                                                   "tools": [{"type": "function", "function": {"name": "f"}}]}).encode(),
               {400}),
     "n of 3": ("/v1/completions", body(n=3), {400}),
+    "tokenize a prompt past max_seq_len": ("/tokenize", json.dumps({"model": MODEL, "prompt": "x" * 10 * MAX_SEQ_LEN}
+                                                                   ).encode(), {400}),
+    "tokenize messages with a lone surrogate": ("/tokenize", b'{"model": "tiny-qwen3-moe", "messages": '
+                                                b'[{"role": "user", "content": "x\\udfffy"}]}', {400}),
+    "detokenize an id of 10**30": ("/detokenize", json.dumps({"model": MODEL, "tokens": [1, 10**30]}).encode(), {400}),
     "a template variable that breaks the template": ("/v1/chat/completions", json.dumps({
         "model": MODEL, "messages": [{"role": "user", "content": "x"}],
         "chat_template_kwargs": {"messages": 5}}).encode(), {400}),

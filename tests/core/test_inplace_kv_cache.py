@@ -124,27 +124,32 @@ def test_random_interleavings_keep_every_invariant(fmt, overrides, ops_list):
         shadow = Shadow(cache)
         device_bytes = cache.device_bytes()
         device_ptrs = [t.data_ptr() for t in device_arrays(cache)]
-        next_id = 0
-        for op, x, y in ops_list:
-            live = list(cache.seqs)
-            if op == "admit":
-                with contextlib.suppress(CapacityError):
-                    shadow.admit(next_id, x, y)
-                next_id += 1
-            elif op == "step" and live:
-                for _ in range(x):
-                    ready = [s for s in live if cache.seqs[s].num_tokens < cache.seqs[s].max_tokens]
-                    if ready:
-                        shadow.step(ready)
-            elif op == "finish" and live:
-                shadow.finish(live[x % len(live)])
-            elif op == "share":  # r* changes: the CPU rate moved
+        for next_id, (op, x, y) in enumerate(ops_list):
+            play(cache, shadow, next_id, op, x, y)
+            if op == "share":  # r* changes: the CPU rate moved
                 cache.policy.estimator.model = cache.policy.model.with_cpu_rate(x)
             shadow.check()
             if overrides:
                 check_memory_follows_the_placed_kv(cache)
         assert cache.device_bytes() == device_bytes  # GPU memory does not grow with the sequences
         assert [t.data_ptr() for t in device_arrays(cache)] == device_ptrs
+
+
+def play(cache, shadow, seq_id, op, x, y) -> None:
+    """One operation of a random interleaving on the cache and its shadow: ("admit", prompt or its
+    length, max new tokens) as sequence seq_id, ("step", steps, _) of every sequence with room, or
+    ("finish", which, _); an admission that does not fit is skipped."""
+    live = list(cache.seqs)
+    if op == "admit":
+        with contextlib.suppress(CapacityError):
+            shadow.admit(seq_id, x, y)
+    elif op == "step" and live:
+        for _ in range(x):
+            ready = [s for s in live if cache.seqs[s].num_tokens < cache.seqs[s].max_tokens]
+            if ready:
+                shadow.step(ready)
+    elif op == "finish" and live:
+        shadow.finish(live[x % len(live)])
 
 
 def check_memory_follows_the_placed_kv(cache):

@@ -4,7 +4,6 @@ evicted, least recently used first, when room is needed; every invariant holds a
 interleaving of admissions, prefills, steps and finishes, and every sequence reads back the KV
 its own tokens have (the independent record: KV as a pure function of the prefix, as a model's)."""
 
-import contextlib
 import hashlib
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.core.test_inplace_kv_cache import play
 from writescope.block_allocator import CapacityError
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.kv_format import KVFormat
@@ -49,7 +49,7 @@ class Shadow:
         self.expected = {}  # seq -> layer -> [per array [num_kv_heads, tokens, dim]]
 
     def admit(self, seq, prompt, max_new):
-        cached = self.cache.admit(seq, len(prompt), max_new, prompt=prompt)
+        cached = self.cache.admit(seq, len(prompt), max_new, block_names=self.cache.block_names(prompt))
         assert cached % BS == 0 and cached < len(prompt)
         self.expected[seq] = {}
         for layer in range(FMT.num_layers):
@@ -101,20 +101,9 @@ operations = st.lists(st.one_of(
 @given(ops_list=operations)
 def test_random_interleavings_with_shared_prefixes_keep_every_invariant(ops_list):
     with make_cache() as cache:
-        shadow, next_id = Shadow(cache), 0
-        for op, x, y in ops_list:
-            live = list(cache.seqs)
-            if op == "admit":
-                with contextlib.suppress(CapacityError):
-                    shadow.admit(next_id, x, y)
-                next_id += 1
-            elif op == "step" and live:
-                for _ in range(x):
-                    ready = [s for s in live if cache.seqs[s].num_tokens < cache.seqs[s].max_tokens]
-                    if ready:
-                        shadow.step(ready)
-            elif op == "finish" and live:
-                shadow.finish(live[x % len(live)])
+        shadow = Shadow(cache)
+        for seq_id, (op, x, y) in enumerate(ops_list):
+            play(cache, shadow, seq_id, op, x, y)
             shadow.check()
         for seq in list(cache.seqs):
             shadow.finish(seq)
@@ -149,11 +138,11 @@ def test_a_whole_prompt_of_full_blocks_still_prefills_its_last_block():
 def test_only_blocks_written_in_every_layer_are_found():
     with make_cache() as cache:
         document = list(range(1, 30))
-        cache.admit("a", len(document), 4, prompt=document)
+        cache.admit("a", len(document), 4, block_names=cache.block_names(document))
         for layer in range(FMT.num_layers):  # the first chunk in every layer, the second in layer 0 only
             cache.write_prefill_chunk("a", layer, 0, *prompt_kv(document[:8], layer))
         cache.write_prefill_chunk("a", 0, 8, *prompt_kv(document, 0, 8)[0:1], *prompt_kv(document, 0, 8)[1:])
-        assert cache.admit("b", len(document), 4, prompt=document) == 8
+        assert cache.admit("b", len(document), 4, block_names=cache.block_names(document)) == 8
         cache.check_integrity()
 
 
@@ -187,7 +176,7 @@ def test_unused_cached_blocks_are_evicted_least_recently_used_first_when_room_is
         shadow.check()
 
 
-def test_a_prompt_given_no_tokens_neither_reuses_nor_registers():
+def test_a_prompt_given_no_block_names_neither_reuses_nor_registers():
     with make_cache() as cache:
         for seq in ("a", "b"):
             assert cache.admit(seq, 20, 0) == 0
