@@ -33,14 +33,20 @@ struct PairedKernel {
   // Heads x token vectors of one score step: 2 * GT * TV accumulators (even and odd dims apart, so
   // no two FMAs in a row wait on each other) within the register file, and per dim pair TV K loads
   // plus 2 * GT q broadcasts for 2 * GT * TV FMAs, which keeps the load ports below the FMA rate.
+  // With 16 registers (AVX2) four heads share each widened K vector, with the even and odd dims
+  // chained into one accumulator (GT * TV of them): eight chains of two FMAs still cover the FMA
+  // latency, and each K vector's widening (a shift and a mask, on the vector pipes the FMAs and
+  // broadcasts use) serves twice the FMAs of two heads. Measured on a 2-vCPU Zen 3, one thread, 1K
+  // tokens of the Qwen3 shape in L2, three runs each: 84-105 us with two heads unchained, 63-84 us.
   static constexpr bool kWide = S::kRegisters >= 32;
   static constexpr int64_t kMaxPrefetchBlocks = 64;
-  static constexpr int kScoreHeads = kWide ? 4 : 2;
+  static constexpr int kScoreHeads = 4;
+  static constexpr bool chained_scores(int heads) { return !kWide && heads >= 4; }
   // Measured on a 2-vCPU Xeon at 32K (Qwen3 and Mixtral shapes): one tile ahead, spread over the
   // inner iterations, beat bursts per tile (1-4 tiles ahead) by 20-40% and no prefetch by 30%.
   static constexpr int kPrefetchTiles = 1;
   // A single head takes more token vectors so there are still eight FMA chains in flight.
-  static constexpr int score_vectors(int heads) { return heads >= 8 ? 1 : heads >= 2 || !kWide ? 2 : 4; }
+  static constexpr int score_vectors(int heads) { return heads >= 8 ? 1 : heads >= 2 ? 2 : 4; }
 
   // One token vector: up to W consecutive tokens of one block.
   struct TokenVector {
@@ -61,38 +67,51 @@ struct PairedKernel {
   TokenVector* vectors;  // [tile_tokens + tile_blocks] this tile's token vectors
   int64_t kv_head = 0;
 
-  // The lines of the tile kPrefetchTiles ahead, asked for a few at a time from inside the compute
-  // loops: spread out, the requests stay in flight while the current tile computes, where a burst
-  // of hundreds at the tile's start would fill the miss buffers and stall the compute behind it.
+  // The lines of the tile kPrefetchTiles ahead, asked for one line every `period` steps of the
+  // compute loops: spread out, the requests stay in flight while the current tile computes, where a
+  // burst of hundreds at the tile's start would fill the miss buffers and stall the compute behind
+  // it. A step costs a decrement and a branch; the line bookkeeping runs only when a line is due
+  // (measured on a 2-vCPU Zen 3: a loop over lines_per_step lines at every step kept the score loop
+  // at 0.6x its rate without prefetching). The period comes from the steps the previous tile took.
   // Compute loops copy it into a local so its fields live in registers (a member is reloaded after
   // every store the compiler cannot prove does not alias it).
   struct Prefetcher {
     const char* const* ranges = nullptr;  // K, V of each block
-    int64_t k_bytes = 0, v_bytes = 0, num_ranges = 0, range = 0, offset = 0;
-    int64_t lines_per_step = 2, steps = 0;  // steps: calls during the tile, to size the next tile's steps
-    // The next tile's ranges are set; its lines are spread over as many steps as this tile took.
+    const char* line = nullptr;           // the next line to ask for, in range `range`
+    const char* range_end = nullptr;
+    int64_t k_bytes = 0, v_bytes = 0, num_ranges = 0, range = 0;
+    int64_t countdown = 1, period = 1, lines_per_fire = 1;
+    int64_t steps = 0;  // steps during the tile, to pace the next tile's lines
+    // The next tile's ranges are set; its total_lines are spread over as many steps as this tile took.
     void reset(int64_t total_lines, int64_t count) {
-      lines_per_step = steps > 0 ? (total_lines + steps - 1) / steps : 2;
+      const int64_t expected = steps > 0 ? steps : total_lines;
+      lines_per_fire = total_lines > expected ? (total_lines + expected - 1) / expected : 1;
+      period = total_lines > 0 ? expected * lines_per_fire / total_lines : expected + 1;
+      period = period < 1 ? 1 : period;
+      countdown = period;
       num_ranges = count;
-      range = offset = steps = 0;
+      range = 0;
+      line = count > 0 ? ranges[0] : nullptr;
+      range_end = count > 0 ? line + k_bytes : nullptr;
+      steps = 0;
     }
     WS_INLINE void step() {
       ++steps;
-      for (int64_t i = 0; i < lines_per_step && range < num_ranges; ++i) {
-        __builtin_prefetch(ranges[range] + offset, 0, 2);
-        offset += 64;
-        if (offset >= ((range & 1) ? v_bytes : k_bytes)) {
-          offset = 0;
-          ++range;
+      if (--countdown == 0) fire(lines_per_fire);
+    }
+    WS_INLINE void fire(int64_t lines) {
+      countdown = period;
+      for (int64_t i = 0; i < lines && range < num_ranges; ++i) {
+        __builtin_prefetch(line, 0, 2);
+        line += 64;
+        if (line >= range_end && ++range < num_ranges) {
+          line = ranges[range];
+          range_end = line + ((range & 1) ? v_bytes : k_bytes);
         }
       }
     }
-    void finish() {
-      const int64_t steps_taken = steps;
-      lines_per_step = int64_t{1} << 40;
-      step();
-      steps = steps_taken;
-    }
+    // Whatever the tile's steps left unasked, at its end.
+    void finish() { fire(int64_t{1} << 40); }
   };
   const char* prefetch_ranges[2 * kMaxPrefetchBlocks];
   Prefetcher pf;
@@ -325,6 +344,7 @@ struct PairedKernel {
   // ------------------------------------------------------------------ scores
   template <int GT, int TV, bool kFull>
   WS_INLINE void score_step(int64_t g0, const TokenVector* tv) {
+    constexpr bool kChained = chained_scores(GT);
     V even_acc[GT * TV], odd_acc[GT * TV];
     for (int i = 0; i < GT * TV; ++i) even_acc[i] = odd_acc[i] = S::zero();
     const int64_t pairs = dim_qk / 2;
@@ -339,8 +359,12 @@ struct PairedKernel {
         const V qe = S::set1(q32[(g0 + gi) * dim_qk + 2 * p]);
         const V qo = S::set1(q32[(g0 + gi) * dim_qk + 2 * p + 1]);
         for (int ti = 0; ti < TV; ++ti) {
-          even_acc[gi * TV + ti] = S::fma(qe, even[ti], even_acc[gi * TV + ti]);
-          odd_acc[gi * TV + ti] = S::fma(qo, odd[ti], odd_acc[gi * TV + ti]);
+          if constexpr (kChained) {
+            even_acc[gi * TV + ti] = S::fma(qo, odd[ti], S::fma(qe, even[ti], even_acc[gi * TV + ti]));
+          } else {
+            even_acc[gi * TV + ti] = S::fma(qe, even[ti], even_acc[gi * TV + ti]);
+            odd_acc[gi * TV + ti] = S::fma(qo, odd[ti], odd_acc[gi * TV + ti]);
+          }
         }
       }
     }
@@ -348,7 +372,8 @@ struct PairedKernel {
     for (int gi = 0; gi < GT; ++gi)
       for (int ti = 0; ti < TV; ++ti)
         S::store_partial(scores + (g0 + gi) * stride + tv[ti].column,
-                         S::add(even_acc[gi * TV + ti], odd_acc[gi * TV + ti]), tv[ti].lanes);
+                         kChained ? even_acc[gi * TV + ti] : S::add(even_acc[gi * TV + ti], odd_acc[gi * TV + ti]),
+                         tv[ti].lanes);
   }
 
   template <int GT>
@@ -478,15 +503,17 @@ struct PairedKernel {
   void accumulate_values(int64_t blocks, int64_t count, float* acc) {
     if (amx) return amx_values(blocks, count, acc);
     // Accumulators GT x NV, the V vectors 2 x NV and two broadcasts within the register file; more
-    // heads per step widen each V vector once for more FMAs.
-    constexpr bool wide = S::kRegisters >= 32;
+    // heads per step widen each V vector once for more FMAs. Each accumulator takes a chain of two
+    // FMAs per token pair, so at least eight of them keep the FMA pipes busy (16 registers: 4 x 2
+    // and 2 x 4 where 4 x 1 and 2 x 2 were latency-bound; measured on a 2-vCPU Zen 3: 57 -> 43 us
+    // per 1K tokens of the Mixtral shape in L2).
     int64_t g = 0;
-    if constexpr (wide) {
+    if constexpr (kWide) {
       for (; g + 8 <= group; g += 8) value_heads<8, 2>(g, blocks, count, acc);
     }
-    for (; g + 4 <= group; g += 4) value_heads<4, wide ? 4 : 1>(g, blocks, count, acc);
-    for (; g + 2 <= group; g += 2) value_heads<2, wide ? 4 : 2>(g, blocks, count, acc);
-    for (; g < group; ++g) value_heads<1, wide ? 8 : 2>(g, blocks, count, acc);
+    for (; g + 4 <= group; g += 4) value_heads<4, kWide ? 4 : 2>(g, blocks, count, acc);
+    for (; g + 2 <= group; g += 2) value_heads<2, 4>(g, blocks, count, acc);
+    for (; g < group; ++g) value_heads<1, kWide ? 8 : 4>(g, blocks, count, acc);
   }
 };
 
