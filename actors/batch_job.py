@@ -21,8 +21,16 @@ exclusive lock on OUTPUT.lock, released when the job ends or dies). A resume rep
 first: a last line cut short by a kill is removed, and a corrupted line elsewhere is moved to
 OUTPUT.corrupt (the output is rewritten atomically without it) and reported; its request runs
 again. A request lost to the GPU worker's death is retried (up to --max-retries times, after Ray
-has restarted the worker), never written as an error: if it still cannot finish, the job exits
-non-zero and a resubmit retries it.
+has restarted the worker, or on another engine), never written as an error: if it still cannot
+finish, the job exits non-zero and a resubmit retries it.
+
+More than one engine (--engines N, or auto: one per node that can hold an engine group). Each is an
+engine group placed by Ray on a node (writescope.actors.engine_group); the lines wait in one queue
+and each engine takes the next whenever it has a free slot (work stealing: a faster or emptier
+engine takes more). The output, its lock and its repair are the driver's, so every id is written
+once whichever engine ran it, and sampling seeded per request gives the tokens one engine would.
+An engine whose node is lost gives its in-flight lines back to the queue and leaves the batch to
+the others; with no engine left, the rest is unfinished (exit 1; a resubmit runs it).
 
 Progress (requests done, tok/s, the current CPU share r*) goes to the log every --progress-every-s
 seconds; a summary at the end.
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import fcntl
 import json
@@ -265,66 +274,171 @@ class _EngineLostError(Exception):
     """The request was lost with the GPU worker (or the engine failed): it may be retried."""
 
 
-async def run_batch(engine, todo: list[PromptLine], writer, *, max_in_flight: int, max_retries: int = 3,
-                    progress_every_s: float = 10.0, state=None) -> dict:
-    """Runs every line through engine.submit / engine.stream; returns the counts. A line whose
-    request is lost with the engine is retried up to max_retries times, else left unwritten."""
-    counts = {"ok": 0, "errors": 0, "tokens": 0, "retries": 0, "unfinished": []}
-    slots = asyncio.Semaphore(max_in_flight)
+class LineQueue:
+    """The lines not yet written, shared by every engine: an engine takes the next whenever it has a
+    free slot (work stealing), and gives back a line its engine lost, which any engine may take.
+    `take` waits while the queue is empty but lines are in flight (one may come back), and returns
+    None once every line is written or given up, or no engine is left to run the rest."""
+
+    def __init__(self, lines: list[PromptLine], max_retries: int, engines: int):
+        self._lines = collections.deque(lines)
+        self._open = len(lines)  # not yet written nor given up
+        self._losses: dict = collections.Counter()
+        self._max_retries = max_retries
+        self._engines = engines  # still taking lines
+        self._changed = asyncio.Condition()
+        self.unfinished: list = []  # ids lost more than max_retries times
+
+    async def take(self) -> PromptLine | None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._lines or self._open == 0 or self._engines == 0)
+            return self._lines.popleft() if self._lines and self._engines else None
+
+    async def done(self) -> None:
+        async with self._changed:
+            self._open -= 1
+            self._changed.notify_all()
+
+    async def put_back(self, line: PromptLine) -> None:
+        """A line taken and not started: first in the queue again."""
+        async with self._changed:
+            self._lines.appendleft(line)
+            self._changed.notify_all()
+
+    async def give_back(self, line: PromptLine) -> bool:
+        """The line's engine lost it: back in the queue (True), or given up after max_retries losses."""
+        async with self._changed:
+            self._losses[line.id] += 1
+            if self._losses[line.id] > self._max_retries:
+                self.unfinished.append(line.id)
+                self._open -= 1
+                self._changed.notify_all()
+                return False
+            self._lines.appendleft(line)  # first in line again: it was taken first
+            self._changed.notify_all()
+            return True
+
+    async def engine_gone(self) -> None:
+        """An engine lost for good stops taking lines; with none left, what remains is unfinished."""
+        async with self._changed:
+            self._engines -= 1
+            if self._engines == 0:
+                self.unfinished.extend(line.id for line in self._lines)
+                self._open -= len(self._lines)
+                self._lines.clear()
+            self._changed.notify_all()
+
+
+async def run_batch(engines, todo: list[PromptLine], writer, *, max_in_flight: int, max_retries: int = 3,
+                    progress_every_s: float = 10.0) -> dict:
+    """Runs every line on `engines` (each with submit / stream / wait_until_ready / lost and up to
+    max_in_flight requests at once), taking lines from one LineQueue; returns the counts. A line
+    whose engine is lost goes back to the queue, up to max_retries times. The engine then takes no
+    line until it answers again (Ray restarted its GPU worker); one lost for good (its node gone)
+    leaves the batch to the others."""
+    counts = {"ok": 0, "errors": 0, "tokens": 0, "retries": 0, "unfinished": [], "engines_lost": 0,
+              "per_engine": [0] * len(engines)}
+    queue = LineQueue(todo, max_retries, len(engines))
     began = time.perf_counter()
     bar = tqdm(total=len(todo), desc="requests", unit="req", file=sys.stderr)
 
-    async def one(line: PromptLine):
-        async with slots:
-            record = await _generate_with_retries(engine, line, max_retries, counts)
-        if record is None:
-            counts["unfinished"].append(line.id)
-            return
+    def write(index: int, record: dict) -> None:
         writer.write(record)
         counts["errors" if "error" in record else "ok"] += 1
         counts["tokens"] += len(record.get("token_ids", []))
+        counts["per_engine"][index] += 1
         bar.update(1)
 
     def progress():
         elapsed = time.perf_counter() - began
-        share = state() if state else None
+        shares = []
+        for engine in engines:
+            with contextlib.suppress(Exception):  # a lost or restarting engine has no share to show
+                share = engine.current_share()
+                shares.append("n/a" if share is None else f"{share:.3f}")
         log.info("progress: %d/%d requests done, %.1f tok/s, r* = %s", counts["ok"] + counts["errors"],
-                 len(todo), counts["tokens"] / max(elapsed, 1e-9), "n/a" if share is None else f"{share:.3f}")
+                 len(todo), counts["tokens"] / max(elapsed, 1e-9), ", ".join(shares) or "n/a")
 
     async def report():
         while True:
             await asyncio.sleep(progress_every_s)
-            with contextlib.suppress(Exception):  # a restarting engine has no share to show
-                progress()
+            progress()
 
     reporter = asyncio.create_task(report())
     try:
-        await asyncio.gather(*[one(line) for line in todo])
+        await asyncio.gather(*[_serve_lines(i, engine, queue, write, max_in_flight, counts)
+                               for i, engine in enumerate(engines)])
     finally:
         reporter.cancel()
         bar.close()
-    with contextlib.suppress(Exception):
-        progress()
+    progress()
+    counts["unfinished"] = queue.unfinished
     counts["seconds"] = time.perf_counter() - began
     return counts
 
 
-async def _generate_with_retries(engine, line: PromptLine, max_retries: int, counts: dict) -> dict | None:
-    for attempt in range(max_retries + 1):
+async def _serve_lines(index: int, engine, queue: LineQueue, write, max_in_flight: int, counts: dict) -> None:
+    """One engine's part of the batch: lines from the queue, up to max_in_flight at once; after a
+    loss, no new line until the engine answers again or is found lost for good."""
+    slots = asyncio.Semaphore(max_in_flight)
+    running: set[asyncio.Task] = set()
+    lost = asyncio.Event()
+
+    async def run(line: PromptLine):
         try:
-            return await _generate(engine, line)
-        except _EngineLostError as lost:
-            if attempt == max_retries:
-                log.error("request %r lost %d times (%s): left for a resubmit", line.id, attempt + 1, lost)
-                return None
+            record = await _generate(engine, line)
+        except _EngineLostError as error:
+            lost.set()
             counts["retries"] += 1
-            log.warning("request %r lost with the engine (%s): retrying once it is back", line.id, lost)
-            try:
-                await engine.wait_until_ready()
-            except RuntimeError as error:
-                log.error("request %r: %s", line.id, error)
-                return None
-    return None
+            if await queue.give_back(line):
+                log.warning("request %r lost with engine %d (%s): retrying once it is back, or on another engine",
+                            line.id, index, error)
+            else:
+                log.error("request %r lost too many times (%s): left for a resubmit", line.id, error)
+            return
+        finally:
+            slots.release()
+        write(index, record)
+        await queue.done()
+
+    while True:
+        await slots.acquire()
+        if not lost.is_set():
+            line = await queue.take()
+            if line is None:
+                slots.release()
+                await asyncio.gather(*running)
+                return
+            if not lost.is_set():
+                task = asyncio.create_task(run(line))
+                running.add(task)
+                task.add_done_callback(running.discard)
+                await asyncio.sleep(0)  # the other engines take their turn at the queue
+                continue
+            await queue.put_back(line)  # lost while this waited for a line: not this engine's to run now
+        slots.release()
+        await asyncio.gather(*running)  # what was in flight on it comes back to the queue
+        if not await _recovered(index, engine):
+            counts["engines_lost"] += 1
+            await queue.engine_gone()
+            return
+        lost.clear()
+
+
+async def _recovered(index: int, engine) -> bool:
+    """After a loss: True once the engine answers again; False if it is lost for good."""
+    if await engine.lost():
+        log.error("engine %d is lost for good (its node or region owner is gone): the other engines take its lines",
+                  index)
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(engine.shutdown, False)
+        return False
+    try:
+        await engine.wait_until_ready()
+    except RuntimeError as error:
+        log.error("engine %d: %s; the other engines take its lines", index, error)
+        return False
+    return True
 
 
 async def _generate(engine, line: PromptLine) -> dict:
@@ -382,10 +496,13 @@ class LocalEngine:
         if self.service.failure is not None:
             raise RuntimeError(f"the in-process engine failed: {self.service.failure}")
 
+    async def lost(self) -> bool:
+        return self.service.failure is not None
+
     def current_share(self) -> float | None:
         return self.engine.cache.wanted_share()
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
         self.service.close()
         self.engine.shutdown()
 
@@ -399,11 +516,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--executor", default="ray", choices=["ray", "local"],
                         help="ray: actors on the job's cluster (or an embedded local Ray); local: one process")
     EngineConfig.add_arguments(parser)
-    parser.add_argument("--max-in-flight", type=int, default=64, help="requests submitted and not yet finished")
+    parser.add_argument("--engines", type=_engines_argument, default=1,
+                        help="engine groups sharing the batch (work stealing), each on a node of its own where "
+                             "engine_cpus and the GPU make it so; auto: one per node that can hold one")
+    parser.add_argument("--max-in-flight", type=int, default=64,
+                        help="requests submitted and not yet finished, per engine (with several engines, at most "
+                             "twice --max-batch-size each)")
     parser.add_argument("--max-retries", type=int, default=3,
                         help="times a request lost with the GPU worker is retried after Ray restarts it")
     parser.add_argument("--progress-every-s", type=float, default=10.0, help="seconds between progress log lines")
     return parser
+
+
+def _engines_argument(text: str):
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1 or 'auto', got {text!r}")
+    return int(text)
 
 
 def _check_args(parser, args) -> None:
@@ -430,18 +560,49 @@ def _open_output(parser, path: str) -> ResultOutput:
         parser.error(f"--output {path!r} cannot be written: {error.strerror or error}")
 
 
-def _open_engine(args):
+def _open_engines(args) -> list:
+    """args.engines engines (all started, or none: a failure stops those already started)."""
     from writescope.engine import Engine
 
     config = EngineConfig.from_args(args)
     if args.executor == "local":
-        return LocalEngine(Engine.from_config(config), args.max_in_flight)
+        count = 1 if args.engines == "auto" else args.engines
+        return [LocalEngine(Engine.from_config(config), args.max_in_flight) for _ in range(count)]
     from writescope.actors.local_ray import ensure_ray
 
     ensure_ray()  # before Ray is imported: inside `ray job submit` the job's cluster; else an embedded local one
     from writescope.actors.ray_engine import RayEngine
 
-    return RayEngine.from_pretrained(config=config, max_waiting=args.max_in_flight)
+    count = nodes_for_engines(config) if args.engines == "auto" else args.engines
+    engines = []
+    try:
+        for index in range(count):
+            engines.append(RayEngine.from_pretrained(config=config, max_waiting=args.max_in_flight))
+            log.info("engine %d of %d on node %s", index + 1, count, engines[-1].node_id)
+    except BaseException:
+        for engine in engines:
+            engine.shutdown()
+        raise
+    return engines
+
+
+def in_flight_per_engine(args, engines: int) -> int:
+    """--max-in-flight for one engine; with several, at most twice an engine's batch each, so the
+    lines no engine can start yet stay in the shared queue for whichever engine frees a slot first
+    (lines queued inside one engine would wait there while another idles)."""
+    return args.max_in_flight if engines == 1 else min(args.max_in_flight, 2 * args.max_batch_size)
+
+
+def nodes_for_engines(config: EngineConfig) -> int:
+    """The alive nodes of the Ray cluster whose resources hold one engine group (at least one)."""
+    import ray
+
+    from writescope.actors.engine_group import engine_bundle
+
+    bundle = engine_bundle(config)
+    fits = [node for node in ray.nodes() if node["Alive"] and
+            all(node["Resources"].get(name, 0) >= amount for name, amount in bundle.items())]
+    return max(1, len(fits))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,7 +612,7 @@ def main(argv: list[str] | None = None) -> int:
     _check_args(parser, args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     output = _open_output(parser, args.output)
-    engine = None
+    engines = []
     try:
         done = output.done
         todo, bad = read_requests(args.input, done)
@@ -459,19 +620,24 @@ def main(argv: list[str] | None = None) -> int:
                  len(todo), len(done.ids), args.output, len(bad), done.corrupt_lines)
         for record in bad:
             output.write(record)
-        engine = _open_engine(args)
-        counts = asyncio.run(run_batch(engine, todo, output, max_in_flight=args.max_in_flight,
-                                       max_retries=args.max_retries, progress_every_s=args.progress_every_s,
-                                       state=engine.current_share))
+        try:
+            engines = _open_engines(args)
+        except ValueError as error:  # no room for the engines asked for, a bad model: nothing ran
+            parser.exit(2, f"{parser.prog}: error: {error}\n")
+        counts = asyncio.run(run_batch(engines, todo, output, max_in_flight=in_flight_per_engine(args, len(engines)),
+                                       max_retries=args.max_retries, progress_every_s=args.progress_every_s))
     finally:
         output.close()
-        if engine is not None:
-            engine.shutdown()
+        for engine in engines:
+            with contextlib.suppress(Exception):
+                engine.shutdown()
     summary = {"ran": len(todo), "ok": counts["ok"], "errors": counts["errors"] + len(bad),
                "skipped": len(done.ids), "retries": counts["retries"], "unfinished": len(counts["unfinished"]),
                "corrupt_lines": done.corrupt_lines, "generated_tokens": counts["tokens"],
                "seconds": round(counts["seconds"], 2),
-               "tok_s": round(counts["tokens"] / max(counts["seconds"], 1e-9), 1)}
+               "tok_s": round(counts["tokens"] / max(counts["seconds"], 1e-9), 1),
+               "engines": len(engines), "engines_lost": counts["engines_lost"],
+               "requests_per_engine": counts["per_engine"]}
     log.info("summary: %s", json.dumps(summary))
     if counts["unfinished"]:
         log.error("%d requests could not finish (%s): resubmit the job to run them", len(counts["unfinished"]),

@@ -6,7 +6,9 @@
     GPU worker    (GPUWorker)          an Engine: model, window, ping-pong, device partial, merge
     CPU workers   (CPUWorker, 1/node)  pinned to their NUMA node, partials over their shard
 
-Ray places, starts, restarts and kills these actors. Inside a decode step the GPU worker exchanges
+Ray places, starts, restarts and kills these actors, all of them in one engine group on one node
+(writescope.actors.engine_group: one placement-group bundle, STRICT_PACK, with the GPU and
+engine_cpus CPUs). Inside a decode step the GPU worker exchanges
 each layer's q and partials with the CPU workers over shared-memory channels
 (writescope.actors.channel_executor), not through Ray calls: see writescope.actors.channel and the
 README for the measured reasons. The caller's RayEngine holds only handles and forwards generate /
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import secrets
 import time
@@ -26,16 +27,17 @@ import ray
 
 from writescope.actors.channel import ChannelSpec
 from writescope.actors.cpu_worker import CPUWorker
+from writescope.actors.engine_group import EngineGroup, engine_site
 from writescope.actors.gpu_worker import GPUWorker
 from writescope.actors.local_ray import ensure_ray
 from writescope.actors.policy_store import PolicyStore
 from writescope.actors.region_owner import RegionOwner
 from writescope.config import EngineConfig
-from writescope.loading import engine_cache_config, load_model_config, load_tokenizer
+from writescope.loading import load_tokenizer
 from writescope.prompts import PromptEncoder
 from writescope.sampling import SamplingParams, call_params
 from writescope.service import QueueFullError
-from writescope.topology import NumaNode, emulated_topology, topology
+from writescope.topology import NumaNode
 
 log = logging.getLogger(__name__)
 
@@ -53,8 +55,11 @@ class WorkerLostError(RuntimeError):
 class RayEngine:
     """The caller's side of an engine whose actors run on Ray: the Engine API, forwarded."""
 
-    def __init__(self, owner, policy_store, gpu_worker, cpu_workers, prompts: PromptEncoder, engine_id: str):
+    def __init__(self, owner, policy_store, gpu_worker, cpu_workers, prompts: PromptEncoder, engine_id: str,
+                 group: EngineGroup):
         self.engine_id = engine_id  # in the names of its memfds and of its channels' sockets
+        self.group = group
+        self.node_id = group.node_id  # the Ray node its actors run on
         self.max_seq_len = prompts.max_seq_len
         self.prompts = prompts  # prompts are tokenised and measured here, in the caller's process
         self._worker_lost = False  # the next call first waits for the restarted GPU worker
@@ -69,31 +74,33 @@ class RayEngine:
                         nodes: list[NumaNode] | None = None, max_waiting: int = 64, **fields) -> RayEngine:
         """The engine of `config` (model and any EngineConfig field as keywords replace its values)
         on Ray: the cluster this driver already joined, the one of RAY_ADDRESS (inside `ray job
-        submit`), or else a new embedded local one, with token authentication. nodes: the NUMA nodes
-        to place one CPU worker on each (default: config.emulated_nodes emulated ones, else this
-        machine's). max_waiting: requests the GPU worker holds waiting for KV capacity."""
+        submit`), or else a new embedded local one, with token authentication. Its actors run in one
+        engine group (EngineGroup.place: the caller's placement group, else one made for it). nodes:
+        the NUMA nodes to place one CPU worker on each (default: config.emulated_nodes emulated ones,
+        else those of the engine's node, read there). max_waiting: requests the GPU worker holds
+        waiting for KV capacity."""
         config = (config or EngineConfig()).replace(**({"model": model} if model is not None else {}), **fields)
         if not isinstance(config.policy, str):
             raise ValueError("executor 'ray' takes the policy by name: the policy_store actor makes it")
         ensure_ray()
-        if nodes is None:
-            nodes = emulated_topology(config.emulated_nodes) if config.emulated_nodes else topology()
-        if config.num_shards not in (None, len(nodes)):
-            raise ValueError(f"num_shards={config.num_shards} for {len(nodes)} NUMA nodes: one shard per node")
-        config = config.replace(num_shards=len(nodes))
         gpus = 1 if config.device.startswith("cuda") else 0
         if gpus and ray.cluster_resources().get("GPU", 0) < 1:
             raise ValueError(f"device={config.device!r} but the Ray cluster has no GPU: "
                              f"use device='cpu' or add a GPU node")
-        model_config, torch_dtype = load_model_config(config.model, config.dtype)
-        cache_config = engine_cache_config(model_config, torch_dtype, block_size=config.block_size,
-                                           max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                                           num_shards=len(nodes), window_tokens=config.window_tokens,
-                                           pingpong_blocks=config.pingpong_blocks, device=config.device)
-        cache_config = dataclasses.replace(
-            cache_config.with_host_limit(None if config.max_host_kv_gb is None else int(config.max_host_kv_gb * 2**30)),
-            shard_nodes=None if any(n.emulated for n in nodes) else tuple(n.index for n in nodes))
-        log.info(cache_config.capacity_line())
+        group = EngineGroup.place(config)
+        try:
+            return cls._start(config, group, nodes, gpus, max_waiting)
+        except BaseException:
+            group.remove()
+            raise
+
+    @classmethod
+    def _start(cls, config: EngineConfig, group: EngineGroup, nodes, gpus: int, max_waiting: int) -> RayEngine:
+        """The engine's actors in `group`, sized on its node."""
+        site = engine_site(group, config, nodes)
+        nodes, cache_config, model_config = site.nodes, site.cache_config, site.model_config
+        config = config.replace(num_shards=len(nodes))
+        log.info("%s (node %s)", cache_config.capacity_line(), group.node_id)
         engine_id = secrets.token_hex(4)
         fmt = cache_config.format
         specs = [ChannelSpec(shm_name="named by the owner", owner_pid=0, fd=-1,
@@ -101,17 +108,19 @@ class RayEngine:
                              max_blocks=cache_config.compute_blocks_per_shard, num_q_heads=model_config.num_q_heads,
                              head_dim_qk=fmt.head_dim_k, head_dim_v=fmt.head_dim_v) for i in range(len(nodes))]
         named = f"writescope-{engine_id}"  # every actor of the engine is named for it (ray.util.list_named_actors)
-        owner = RegionOwner.options(name=f"{named}-region-owner").remote(cache_config, specs, engine_id, gpus > 0)
+        placed = group.options()
+        owner = RegionOwner.options(name=f"{named}-region-owner", **placed).remote(cache_config, specs, engine_id,
+                                                                                 gpus > 0)
         actors = [owner]
         try:
             compute_handles, transfer_handle = ray.get(owner.handles.remote())
             specs = ray.get(owner.channel_specs.remote())
-            cpu_workers = [CPUWorker.options(name=f"{named}-cpu-worker-{i}").remote(node, compute_handles[i], specs[i])
-                           for i, node in enumerate(nodes)]
-            policy_store = PolicyStore.options(name=f"{named}-policy-store").remote()
+            cpu_workers = [CPUWorker.options(name=f"{named}-cpu-worker-{i}", **placed).remote(
+                node, compute_handles[i], specs[i]) for i, node in enumerate(nodes)]
+            policy_store = PolicyStore.options(name=f"{named}-policy-store", **placed).remote()
             actors += [*cpu_workers, policy_store]
             ray.get([w.check_health.remote() for w in cpu_workers])
-            gpu_worker = GPUWorker.options(name=f"{named}-gpu-worker", num_gpus=gpus, num_cpus=0).remote(
+            gpu_worker = GPUWorker.options(name=f"{named}-gpu-worker", num_gpus=gpus, num_cpus=0, **placed).remote(
                 config, cache_config, (compute_handles, transfer_handle), specs, policy_store, max_waiting)
             actors.append(gpu_worker)
             ray.get(gpu_worker.check_health.remote())
@@ -119,7 +128,7 @@ class RayEngine:
             _stop(actors, owner)
             raise
         prompts = PromptEncoder(load_tokenizer(config.model), model_config.vocab_size, config.max_seq_len)
-        return cls(owner, policy_store, gpu_worker, cpu_workers, prompts, engine_id)
+        return cls(owner, policy_store, gpu_worker, cpu_workers, prompts, engine_id, group)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, **kwargs):
@@ -216,6 +225,15 @@ class RayEngine:
             if not finished:  # the caller went away (or the worker died): free its batch slot and KV
                 self.gpu_worker.cancel.remote(request_id)
 
+    async def lost(self, timeout_s: float = 30.0) -> bool:
+        """Whether this engine is gone for good: its region owner, which is not restarted and without
+        which no restarted worker can attach the KV, is dead or has not answered within timeout_s (its
+        node is gone). A GPU worker that Ray is restarting does not make the engine lost."""
+        try:
+            return not await asyncio.wait_for(self.owner.check_health.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayError, asyncio.TimeoutError):
+            return True
+
     # ------------------------------------------------------------------ inspection
     def current_share(self) -> float | None:
         """r* for the batch running now (None when nothing runs)."""
@@ -249,15 +267,16 @@ class RayEngine:
         return list(self._segment_names)
 
     # ------------------------------------------------------------------ lifecycle
-    def shutdown(self) -> None:
-        """Stops every actor of this engine; its shared memory goes with them (memfds: nothing is
-        left to remove, whether they stop here or are killed)."""
-        with contextlib.suppress(ray.exceptions.RayError):
-            ray.get(self.gpu_worker.shutdown.remote(), timeout=30)
-        for worker in self.cpu_workers:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stops every actor of this engine and frees its engine group; its shared memory goes with
+        them (memfds: nothing is left to remove, whether they stop here or are killed). graceful:
+        ask the workers to close first (not for a lost engine, whose workers cannot answer)."""
+        for worker in [self.gpu_worker, *self.cpu_workers] if graceful else []:
             with contextlib.suppress(ray.exceptions.RayError):
                 ray.get(worker.shutdown.remote(), timeout=30)
         _stop([self.gpu_worker, *self.cpu_workers, self.policy_store], self.owner)
+        with contextlib.suppress(Exception):
+            self.group.remove()
 
 
 def _stop(actors, owner) -> None:

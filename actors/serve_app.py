@@ -11,6 +11,13 @@ requests of every caller together (continuous batching). Chat renders the checkp
 honoured or refused with a 400 naming it. Latencies (TTFT, inter-token, e2e, queue time) and token
 counters go out through Ray's metrics API under vLLM's names (see _Metrics).
 
+More than one node: each replica owns one engine group, placed with it in one placement-group
+bundle on one node (build_app sets `placement_group_bundles`); `num_replicas: N` (or an
+autoscaling_config) in serve.yaml is N engines, spread by Serve's router, and every answer names
+the node that served it (the x-writescope-node header). A replica whose engine is lost for good
+fails Serve's health check and is replaced, with its engine, when a node has room; the others keep
+serving.
+
 No request can hurt another. Every input is checked here, before it reaches the engine: the body's
 size (413 past max_body_bytes, decided from Content-Length before a byte is read), its JSON and
 Unicode, every parameter's range (so sampling cannot fail on any accepted value), and the prompt,
@@ -49,6 +56,7 @@ from ray import serve
 from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from writescope.actors.engine_group import engine_bundle
 from writescope.actors.openai_protocol import (
     ChatRequest,
     CompletionRequest,
@@ -107,12 +115,18 @@ class GateSettings:
 
     api_key: str | None
     max_body_bytes: int
+    node_id: str = ""  # the Ray node of this replica and its engine group
+
+
+NODE_HEADER = "x-writescope-node"
 
 
 class RequestGate:
     """ASGI middleware in front of every route: the API key (every path but /health), then the
     body limit. A body announced larger than the limit is refused from its Content-Length before a
-    byte is read; a body without one is counted as it arrives and refused at the limit."""
+    byte is read; a body without one is counted as it arrives and refused at the limit. Every
+    answer carries the Ray node that served it (NODE_HEADER): with several replicas, which one
+    answered."""
 
     open_paths = ("/health",)
 
@@ -123,6 +137,7 @@ class RequestGate:
         settings: GateSettings | None = getattr(scope.get("app", app).state, "gate", None)
         if scope["type"] != "http" or settings is None:
             return await self.app(scope, receive, send)
+        send = _with_header(send, NODE_HEADER, settings.node_id)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         if settings.api_key is not None and _route(scope) not in self.open_paths \
                 and not secrets.compare_digest(headers.get("authorization", "").encode(),
@@ -133,6 +148,18 @@ class RequestGate:
         if declared.isdigit() and int(declared) > settings.max_body_bytes:
             return await _send(send, 413, _too_large(int(declared), settings.max_body_bytes))
         return await self.app(scope, _limited(receive, settings.max_body_bytes), send)
+
+
+def _with_header(send, name: str, value: str):
+    """send() that adds one header to the response's start."""
+    extra = (name.encode("latin-1"), value.encode("latin-1"))
+
+    async def send_with_header(message):
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", []), extra]}
+        await send(message)
+
+    return send_with_header
 
 
 def _route(scope) -> str:
@@ -378,7 +405,7 @@ class OpenAIIngress:
         max_body_bytes = default_max_body_bytes(config.max_seq_len) if max_body_bytes is None else max_body_bytes
         if max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {max_body_bytes}")
-        app.state.gate = GateSettings(api_key, max_body_bytes)
+        app.state.gate = GateSettings(api_key, max_body_bytes, ray.get_runtime_context().get_node_id())
         self.model_name = served_model_name or os.path.basename(config.model.rstrip("/"))
         self.chat_template = load_chat_template(config.model, chat_template)
         self.sampling_defaults = load_generation_defaults(config.model).sampling
@@ -386,6 +413,13 @@ class OpenAIIngress:
         self.tokenizer = self.engine.prompts.tokenizer
         self._metrics = _Metrics()
         self._poller = None
+
+    async def check_health(self):
+        """Serve's own check of the replica (every health_check_period_s): an engine lost for good
+        (its region owner gone) fails it, so Serve replaces the replica and its engine group; a GPU
+        worker that Ray is restarting does not."""
+        if await self.engine.lost(timeout_s=HEALTH_TIMEOUT_S * 5):
+            raise RuntimeError(f"the engine on node {self.engine.node_id} is lost: its region owner is gone")
 
     # ------------------------------------------------------------------ routes
     @app.get("/health")
@@ -596,7 +630,15 @@ def build_app(args: dict) -> serve.Application:
     unknown = set(args) - set(APP_ARGS)
     if unknown:
         raise ValueError(f"unknown app args {sorted(unknown)}; allowed: {sorted(APP_ARGS)}")
-    engine_fields = EngineConfig.from_mapping({k: v for k, v in args.items() if k in FIELD_NAMES}).to_dict()
+    config = EngineConfig.from_mapping({k: v for k, v in args.items() if k in FIELD_NAMES})
     own = {k: int(v) if k in ("max_queue", "max_body_bytes") and v is not None else v
            for k, v in args.items() if k in INGRESS_ARGS}
-    return OpenAIIngress.bind(**own, **engine_fields)
+    return ingress_deployment(config).bind(**own, **config.to_dict())
+
+
+def ingress_deployment(config: EngineConfig, **options) -> serve.Deployment:
+    """OpenAIIngress with each replica and its engine group in one placement-group bundle on one
+    node: Serve places them together and replaces both when their node goes, so N replicas
+    (`num_replicas`, an `autoscaling_config`, in options or serve.yaml) are N engines."""
+    return OpenAIIngress.options(placement_group_bundles=[engine_bundle(config)],
+                                 placement_group_strategy="STRICT_PACK", ray_actor_options={"num_cpus": 0}, **options)

@@ -48,6 +48,9 @@ class EngineConfig:
         "cpu_compute shards (default: 1 in one process; one per NUMA node under Ray)"))
     emulated_nodes: int | None = field(default=None, metadata=_help(
         "under Ray: split this machine's CPUs into N emulated NUMA nodes, one CPU worker each"))
+    engine_cpus: int = field(default=1, metadata=_help(
+        "under Ray: logical CPUs an engine group reserves on its node, with its GPU (a node's CPU count "
+        "places one engine per node)"))
     max_host_kv_gb: float | None = field(default=None, metadata=_help(
         "host memory (GiB) the KV may take at most (default: what the machine has available)"))
     pingpong_blocks: int | None = field(default=None, metadata=_help(
@@ -63,7 +66,8 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype!r} is not supported; allowed: {', '.join(DTYPE_NAMES)} "
                              f"(or none: the checkpoint's)")
         check_policy(self.policy)
-        for name in ("window_tokens", "block_size", "max_batch_size", "max_seq_len", "prefill_chunk_tokens"):
+        for name in ("window_tokens", "block_size", "max_batch_size", "max_seq_len", "prefill_chunk_tokens",
+                     "engine_cpus"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("num_shards", "emulated_nodes", "pingpong_blocks"):
             _check_int(name, getattr(self, name), minimum=1, optional=True)

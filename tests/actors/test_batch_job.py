@@ -264,3 +264,72 @@ def test_bad_bytes_and_duplicates_are_reported_once_across_resumed_runs(tmp_path
     assert [line.id for line in todo] == ["a", "b"] and errors == []
     todo, errors = read_requests(str(path), Done(ids={"a", "c"}, lines={2, 3, 5, 7}))
     assert [line.id for line in todo] == ["b"] and errors == []
+
+
+def test_two_engines_share_a_batch_and_a_failed_one_leaves_its_lines_to_the_other(reference, tmp_path):
+    """Two in-process engines take lines from one queue; one engine's loop fails mid-batch (a fault
+    injected into its decode step): its lines in flight go back to the queue and the other engine
+    finishes the batch, every id once, with the tokens of the one-engine run."""
+    import asyncio
+
+    from writescope.actors.batch_job import LocalEngine, ResultOutput, build_parser, read_requests, run_batch
+    from writescope.config import EngineConfig
+    from writescope.engine import Engine
+
+    workdir, expected = reference
+    config = EngineConfig.from_args(build_parser().parse_args([*ARGS, "--input", "x", "--output", "y"]))
+    steady, failing = (LocalEngine(Engine.from_config(config), max_waiting=4) for _ in range(2))
+    steps = {"taken": 0}
+    decode_step = failing.engine._decode_step
+
+    def fails_on_step_60(running):
+        steps["taken"] += 1
+        if steps["taken"] == 60:  # after it finished some requests of its own
+            raise RuntimeError("injected: this engine's loop fails")
+        return decode_step(running)
+
+    failing.engine._decode_step = fails_on_step_60
+    output = ResultOutput(str(tmp_path / "results.jsonl"))
+    try:
+        todo, bad = read_requests(str(workdir / "prompts.jsonl"), output.done)
+        for record in bad:
+            output.write(record)
+        counts = asyncio.run(run_batch([steady, failing], todo, output, max_in_flight=2, progress_every_s=60))
+    finally:
+        output.close()
+        steady.shutdown()
+        failing.shutdown()
+    assert counts["engines_lost"] == 1 and counts["unfinished"] == [] and counts["retries"] >= 1
+    assert counts["per_engine"][0] > 0 and counts["per_engine"][1] > 0  # both worked before the failure
+    assert_complete(tmp_path / "results.jsonl", expected)
+
+
+def test_the_line_queue_gives_lost_lines_back_and_ends_when_no_engine_is_left():
+    import asyncio
+
+    from writescope.actors.batch_job import LineQueue, PromptLine
+
+    lines = [PromptLine(id=f"l{i}", prompt=[1, 2, 3]) for i in range(3)]
+
+    async def scenario():
+        queue = LineQueue(lines, max_retries=1, engines=2)
+        first = await queue.take()
+        assert await queue.give_back(first)  # lost once: back at the front
+        assert (await queue.take()).id == first.id
+        assert not await queue.give_back(first)  # lost twice, max_retries=1: given up
+        second = await queue.take()
+        await queue.done()
+        waiting = asyncio.create_task(queue.take())  # the queue holds l2: taken at once
+        assert (await waiting).id == "l2"
+        blocked = asyncio.create_task(queue.take())  # empty, l2 in flight: waits, it may come back
+        await asyncio.sleep(0.01)
+        assert not blocked.done()
+        assert await queue.give_back(lines[2])
+        assert (await blocked).id == "l2"
+        await queue.engine_gone()
+        await queue.engine_gone()  # no engine left: what remains is unfinished and take() ends
+        assert await queue.take() is None
+        return second.id, queue.unfinished
+
+    second, unfinished = asyncio.run(scenario())
+    assert second == "l1" and unfinished == ["l0"]

@@ -172,6 +172,35 @@ def test_an_engine_killed_outright_leaves_no_memory_behind(ray_cluster):
         engine.shutdown()
 
 
+def test_an_engine_group_holds_every_actor_of_one_engine_and_goes_at_shutdown(ray_cluster):
+    engine = RayEngine.from_pretrained("tiny-qwen3-moe", policy="all_cpu", engine_cpus=3, **OPTIONS)
+    group = engine.group
+    try:
+        table = ray.util.placement_group_table(group.placement_group)
+        assert group.owned and table["strategy"] == "STRICT_PACK" and table["state"] == "CREATED"
+        assert table["bundles"] == {0: {"CPU": 3.0}}  # reserved while the engine runs
+        names = {f"writescope-{engine.engine_id}-{part}" for part in ("region-owner", "policy-store", "gpu-worker",
+                                                                      "cpu-worker-0")}
+        actors = [a for a in ray._private.state.actors().values() if a["Name"] in names and a["State"] == "ALIVE"]
+        assert {a["Name"] for a in actors} == names
+        assert {a["Address"]["NodeID"] for a in actors} == {engine.node_id}  # the GCS's record, no dashboard
+    finally:
+        engine.shutdown()
+    wait_until(lambda: ray.util.placement_group_table(group.placement_group)["state"] == "REMOVED")
+
+
+def test_no_node_with_room_for_an_engine_group_is_a_clear_error(ray_cluster):
+    from writescope.actors.engine_group import EngineGroup
+    from writescope.config import EngineConfig
+
+    groups_before = set(ray.util.placement_group_table())
+    with pytest.raises(ValueError, match=r"no node of the Ray cluster had \{'CPU': 64.0\} free for an engine group "
+                                         r"within 2 s .*lower engine_cpus or add a node"):
+        EngineGroup.place(EngineConfig(engine_cpus=64), timeout_s=2)
+    new_groups = set(ray.util.placement_group_table()) - groups_before
+    assert new_groups and all(ray.util.placement_group_table()[g]["state"] == "REMOVED" for g in new_groups)
+
+
 def test_token_authentication_is_on(ray_cluster):
     assert os.environ["RAY_AUTH_MODE"] == "token"
 

@@ -45,10 +45,10 @@ def test_every_entry_point_has_every_field_with_the_one_default(entry):
 def test_flags_reach_the_config(entry):
     make_parser, required = ENTRY_POINTS[entry]
     args = make_parser().parse_args([*required, "--hot-experts", "2", "--max-seq-len", "8192", "--dtype", "bfloat16",
-                                     "--policy", "share:0.3", "--emulated-nodes", "2"])
+                                     "--policy", "share:0.3", "--emulated-nodes", "2", "--engine-cpus", "32"])
     config = EngineConfig.from_args(args)
-    assert (config.hot_experts, config.max_seq_len, config.dtype, config.policy, config.emulated_nodes) == \
-        (2, 8192, "bfloat16", "share:0.3", 2)
+    assert (config.hot_experts, config.max_seq_len, config.dtype, config.policy, config.emulated_nodes,
+            config.engine_cpus) == (2, 8192, "bfloat16", "share:0.3", 2, 32)
 
 
 def test_the_engine_and_its_model_constructor_use_the_config_defaults():
@@ -75,6 +75,7 @@ def test_the_engine_and_its_model_constructor_use_the_config_defaults():
     ({"max_host_kv_gb": 0}, "max_host_kv_gb must be a number of GiB > 0 or none, got 0"),
     ({"max_host_kv_gb": "lots"}, "max_host_kv_gb must be a number, got 'lots'"),
     ({"prefill_chunk_tokens": 100}, "prefill_chunk_tokens must be a multiple of block_size 16, got 100"),
+    ({"engine_cpus": 0}, "engine_cpus must be an integer >= 1, got 0"),
 ])
 def test_bad_values_name_the_field_and_what_is_allowed(values, message):
     with pytest.raises(ValueError, match=message):
