@@ -28,8 +28,9 @@ from writescope.config import EngineConfig
 from writescope.executor import LocalExecutor
 from writescope.graph import DecodeGraph, build_decode_graph
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache, host_memory_available
-from writescope.loading import engine_cache_config, load_model
+from writescope.loading import engine_cache_config, load_model, load_model_config
 from writescope.models.config import ModelConfig
+from writescope.models.deepseek_v4 import ARCH as DEEPSEEK_V4
 from writescope.models.layers import causal_attention
 from writescope.models.moe_model import MoEModel
 from writescope.perf_model import PerfModel
@@ -207,6 +208,9 @@ class Engine:
         its keywords (`nodes`, `max_waiting`). region_handles: ([cpu_compute shard handle bytes],
         cpu_transfer handle bytes) of regions created elsewhere, attached instead of created."""
         config = (config or EngineConfig()).replace(**({"model": model} if model is not None else {}), **fields)
+        if executor == "ray" and _is_deepseek_v4(config):
+            raise ValueError("DeepSeek-V4 runs on the local executor only so far (executor='local'); its CPU "
+                             "partials over the Ray channels are not built yet")
         if executor == "ray":
             if region_handles is not None:
                 raise ValueError("region_handles are for an in-process engine; executor 'ray' creates its own")
@@ -226,6 +230,11 @@ class Engine:
         executor: an executor object (the GPU worker's channel executor, say); default a
         LocalExecutor, concurrent when the device is not the CPU (the two sides then run at once).
         cache_config: the regions as sized already (by the Ray driver, with region_handles)."""
+        if _is_deepseek_v4(config):
+            from writescope.deepseek_v4_engine import DeepseekV4Engine  # it builds on this module
+
+            return DeepseekV4Engine.from_config(config, executor=executor, region_handles=region_handles,
+                                                cache_config=cache_config)
         model_config, weights, tokenizer, torch_dtype = load_model(config.model, config.dtype, config.weights_seed)
         weights = {name: w.to(config.device) for name, w in weights.items()}
         model = MoEModel(model_config, weights, device=config.device, hot_experts=config.hot_experts)
@@ -704,6 +713,10 @@ def _check_chunk_fits(model: MoEModel, chunk_tokens: int, piece_tokens: int) -> 
 
 
 EXECUTORS = ("local", "ray")
+
+
+def _is_deepseek_v4(config: EngineConfig) -> bool:
+    return load_model_config(config.model)[0].arch == DEEPSEEK_V4
 
 
 def _ray_engine(config: EngineConfig, options: dict):

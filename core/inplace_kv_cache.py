@@ -263,8 +263,8 @@ class InplaceKVCache:
         fewer than prompt_len: the prefill starts there, every layer)."""
         if seq_id in self.seqs:
             raise ValueError(f"sequence {seq_id!r} is already admitted")
-        if prompt_len < 1 or max_new_tokens < 0:
-            raise ValueError(f"prompt_len must be >= 1 and max_new_tokens >= 0, got {prompt_len}, {max_new_tokens}")
+        if prompt_len < 0 or max_new_tokens < 0:
+            raise ValueError(f"prompt_len and max_new_tokens must be >= 0, got {prompt_len}, {max_new_tokens}")
         max_tokens = prompt_len + max_new_tokens
         full_blocks = prompt_len // self.block_size
         if block_names is not None and len(block_names) != full_blocks:
@@ -297,6 +297,8 @@ class InplaceKVCache:
         state.window_len = prompt_len - full_blocks * self.block_size
         state.prefill_written = dict.fromkeys(range(self.config.format.num_layers), state.cached_tokens) \
             if state.cached_tokens else {}
+        if prompt_len == 0:  # nothing to prefill (a model's compressed entries before its first window closes)
+            state.prefilled_layers = set(range(self.config.format.num_layers))
         return state.cached_tokens
 
     def finish(self, seq_id) -> None:

@@ -31,7 +31,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 'transformers', transformers.__version__)" | tee -a "$OUT/summary.txt"
 step install 150 python3 -m pip install --no-index --no-deps --no-build-isolation -e .
 step gpu_tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 60 \
-    tests/core/test_triton_attention.py tests/engine/test_parity.py
+    tests/core/test_triton_attention.py tests/engine/test_parity.py tests/engine/test_deepseek_v4.py
 step gpu_bench 60 python3 tools/bench_gpu_attention.py --repeats 20 --out "$OUT/gpu_attention.json"
 step e2e 200 python3 tools/bench_e2e.py --device cuda --contexts 8192 32768 --batches 1 4 --new-tokens 12 \
     --out "$OUT/e2e.json"
@@ -45,6 +45,10 @@ step contention 90 python3 tools/bench_contention.py --preset qwen3-30b-a3b-shap
 # the KV spilled to the host (window 256, default ping-pong); peak device memory in the JSON.
 step long_sequence 300 python3 tools/bench_long_sequence.py --context 1048576 --new-tokens 16 --device cuda \
     --policy writescope --out "$OUT/long_sequence_1m.json"
+# DeepSeek-V4's sparse step against the selection disabled, the entries split (fixed_half) with the
+# device's share on the GPU: KV read and moved per step, gather time, decode tok/s.
+step sparse 240 python3 tools/bench_sparse.py --device cuda --contexts 32768 131072 --steps 8 \
+    --out "$OUT/sparse.json"
 step cpu_suites_with_cuda 60 python3 -m pytest -q -x -p no:cacheprovider --timeout 60 -m "not gpu and not ray" \
     tests/core/test_kv_regions.py tests/core/test_inplace_kv_cache.py tests/core/test_calibration.py
 exit 0

@@ -11,6 +11,7 @@ import os
 import torch
 from safetensors import safe_open
 
+from writescope.models import deepseek_v4
 from writescope.models.config import ModelConfig
 
 
@@ -78,12 +79,19 @@ def _ffn_shapes(cfg, layer, p):
     return shapes
 
 
-def load_config(path: str) -> ModelConfig:
+def config_from_hf(data: dict) -> ModelConfig | deepseek_v4.DeepseekV4Config:
+    """The normalised config of a config.json's contents: DeepSeek-V4 has its own."""
+    if data.get("model_type") == deepseek_v4.ARCH:
+        return deepseek_v4.DeepseekV4Config.from_hf(data)
+    return ModelConfig.from_hf(data)
+
+
+def load_config(path: str) -> ModelConfig | deepseek_v4.DeepseekV4Config:
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise ValueError(f"{path!r} is not a checkpoint directory: config.json is missing")
     with open(config_path) as f:
-        config = ModelConfig.from_hf(json.load(f))
+        config = config_from_hf(json.load(f))
     from writescope.chat import load_generation_defaults  # chat reads the presets, which import this module
 
     # generation_config.json's EOS list ends generation too (an instruct model's end-of-turn token)
@@ -108,13 +116,18 @@ def weight_files(path: str) -> list[str]:
 
 
 def load_weights(path: str, cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    expected = expected_shapes(cfg)
+    """The weights the model reads, by name (DeepSeek-V4's canonical: `deepseek_v4.canonical_name`),
+    floating point ones in dtype; integer tables (V4's hash routing) as they are."""
+    v4 = cfg.arch == deepseek_v4.ARCH
+    expected = deepseek_v4.expected_shapes(cfg) if v4 else expected_shapes(cfg)
     weights = {}
     for file in weight_files(path):
         with safe_open(file, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
+            for stored in f.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
+                name = deepseek_v4.canonical_name(stored) if v4 else stored
                 if name in expected:
-                    weights[name] = f.get_tensor(name).to(dtype)
+                    tensor = f.get_tensor(stored)
+                    weights[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     check_weights(weights, expected, path)
     return weights
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from writescope.models.checkpoint import expected_shapes
+from writescope.models import deepseek_v4
+from writescope.models.checkpoint import config_from_hf, expected_shapes
 from writescope.models.config import ModelConfig
 
 EOS_TOKEN_ID = 256  # bytes are 0..255; then the special tokens
@@ -50,16 +51,36 @@ SHAPE_PRESETS = {
     },
 }
 
-PRESETS = {**TINY_PRESETS, **SHAPE_PRESETS}
+# DeepSeek-V4's layer types all present (HCA, CSA, sliding-only), hash and routed MoE layers, four
+# hyper-connection streams; the paper's compression rates (4, 128), sliding window (128) and top-512
+# selection, so that the sparse step's shape is the release's at any context length.
+SPARSE_PRESETS = {
+    "tiny-deepseek-v4": {
+        "model_type": "deepseek_v4", "vocab_size": VOCAB_SIZE, "hidden_size": 128, "moe_intermediate_size": 64,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 64,
+        "partial_rotary_factor": 0.25, "q_lora_rank": 64, "o_groups": 2, "o_lora_rank": 32,
+        "layer_types": [deepseek_v4.HCA, deepseek_v4.CSA, deepseek_v4.SLIDING, deepseek_v4.CSA],
+        "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+        "compress_rates": {deepseek_v4.CSA: 4, deepseek_v4.HCA: 128}, "sliding_window": 128,
+        "index_n_heads": 4, "index_head_dim": 32, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+        "hc_eps": 1e-6, "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+        "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "eos_token_id": EOS_TOKEN_ID,
+    },
+}
+
+PRESETS = {**TINY_PRESETS, **SHAPE_PRESETS, **SPARSE_PRESETS}
 
 
 def preset_config(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)} (or a checkpoint directory)")
-    return ModelConfig.from_hf(PRESETS[name])
+    return config_from_hf(PRESETS[name])
 
 
 def preset_weights(config: ModelConfig, dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    if config.arch == deepseek_v4.ARCH:
+        return deepseek_v4.random_weights(config, dtype, seed)
     generator = torch.Generator().manual_seed(seed)
     weights = {}
     for name, shape in expected_shapes(config).items():

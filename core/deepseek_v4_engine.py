@@ -1,0 +1,475 @@
+"""DeepSeek-V4 on InplaceKVCache: its native sparse attention composed with the CPU/GPU split.
+
+A V4 layer attends two things (see `models.deepseek_v4`): the newest `sliding_window` tokens, kept
+on the device per sequence (`SequenceStates`: the window region is exactly that), and compressed
+entries, one per `rate` tokens, which are the long-range KV. The entries are what this module
+places: one InplaceKVCache per compression rate (the CSA layers', the HCA layers'), whose
+"tokens" are entries. An entry is written once, when its window of tokens closes: into the cache's
+device window, flushed as sealed blocks to cpu_compute or cpu_transfer where the policy routes
+them, like any block. Per decode step and layer:
+- HCA: every entry, split as for any model: the device attends its window and cpu_transfer (in
+  place on a CPU host, through the ping-pong buffer beside a GPU), the CPU kernel cpu_compute.
+- CSA: the indexer (on the device) picks the top-k entries per query. The selection is split by
+  where each entry lies: the window's and cpu_transfer's selected entries are gathered into one
+  contiguous span (cpu_transfer's through a pinned staging span, one copy) and attended by the
+  device; cpu_compute's are gathered on the host and attended by the CPU kernel. The kernel
+  reads whole blocks of a table, and a selection is entries, not blocks: the host gather is a
+  read of exactly the bytes the kernel then reads again (k x head_dim per sequence and layer).
+The partials (sliding window, device entries, CPU entries) merge by LSE, and the sinks enter as an
+extra term of the softmax's denominator. The policy is fed the entries each side attended, so the
+perf model sees the bytes the sparse step moves, not the context length.
+
+The request loop (admission, sampling, stop handling, streaming) is Engine's; this engine brings
+its own model, KV and step. A prompt is prefilled whole (its attention in query chunks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import deque
+
+import torch
+
+from writescope import ops
+from writescope.block_allocator import CapacityError
+from writescope.config import EngineConfig
+from writescope.engine import PROVISIONAL_MODEL, Engine, _DeviceClock, _Request, _torch_threads
+from writescope.executor import LocalExecutor
+from writescope.inplace_kv_cache import InplaceKVCache
+from writescope.kv_format import KVFormat
+from writescope.loading import engine_cache_config
+from writescope.models.deepseek_v4 import (
+    CSA,
+    HCA,
+    DeepseekV4Config,
+    DeepseekV4Forward,
+    DeepseekV4Model,
+    SequenceStates,
+)
+from writescope.policies import Policy, Region, check_policy, make_policy
+from writescope.prompts import PromptEncoder
+from writescope.sampling import Sampled
+from writescope.split import device_side
+
+log = logging.getLogger(__name__)
+
+COMPUTE, TRANSFER = 0, 1  # region codes of a sequence's placed entry blocks
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryFormat:
+    """The entries of one layer type as a model the cache sizing reads: one shared KV head whose V is
+    all of K (V4 reads one tensor as both)."""
+
+    num_layers: int
+    head_dim: int
+
+    def kv_format(self, dtype: str, block_size: int) -> KVFormat:
+        return KVFormat(self.num_layers, 1, self.head_dim, self.head_dim, dtype=dtype, block_size=block_size,
+                        v_in_k=True)
+
+
+@dataclasses.dataclass
+class _Sequence:
+    slot: int  # row of the SequenceStates
+    num_tokens: int  # tokens committed (prompt + generated): the next token's position
+
+
+class EntryCaches:
+    """The KV of a DeepSeek-V4 engine: an InplaceKVCache of compressed entries per compressed layer
+    type, and each sequence's token count and state slot. Admission reserves, in each cache, the
+    entries the sequence's prompt and max_new_tokens can produce."""
+
+    def __init__(self, cfg: DeepseekV4Config, kv_dtype: torch.dtype, policy: Policy, *, block_size: int,
+                 window_tokens: int, max_batch_size: int, max_seq_len: int, num_shards: int,
+                 pingpong_blocks: int | None, device: str, max_host_kv_bytes: int | None):
+        self.cfg = cfg
+        self.policy = policy
+        self.caches: dict[str, InplaceKVCache] = {}
+        self.where: dict[int, tuple[str, int]] = {}  # model layer -> (layer type, its layer in that cache)
+        for kind in (CSA, HCA):
+            layers = cfg.layers_of(kind)
+            if not layers:
+                continue
+            rate = cfg.csa_rate if kind == CSA else cfg.hca_rate
+            config = engine_cache_config(EntryFormat(len(layers), cfg.head_dim), kv_dtype, block_size=block_size,
+                                         max_batch_size=max_batch_size,
+                                         max_seq_len=max(max_seq_len // rate, block_size), num_shards=num_shards,
+                                         window_tokens=window_tokens, pingpong_blocks=pingpong_blocks, device=device)
+            config = config.with_host_limit(max_host_kv_bytes)
+            self.caches[kind] = InplaceKVCache(config, policy)
+            self.where.update({layer: (kind, index) for index, layer in enumerate(layers)})
+        self.seqs: dict[object, _Sequence] = {}
+        self.placed = PlacedBlocks()
+        self._free_slots = list(range(max_batch_size - 1, -1, -1))
+        self.block_size = block_size
+
+    def rate(self, kind: str) -> int:
+        return self.cfg.csa_rate if kind == CSA else self.cfg.hca_rate
+
+    def admit(self, seq_id, prompt_len: int, max_new_tokens: int, block_names=None) -> int:
+        """Reserves each cache's entries for prompt_len + max_new_tokens tokens; CapacityError (nothing
+        kept) when a cache or the slots cannot hold them. Returns 0: no prompt tokens are reused."""
+        if not self._free_slots:
+            raise CapacityError(f"all {len(self.seqs)} sequence slots are in use")
+        admitted = []
+        try:
+            for kind, cache in self.caches.items():
+                rate = self.rate(kind)
+                prompt_entries = prompt_len // rate
+                cache.admit(seq_id, prompt_entries, (prompt_len + max_new_tokens) // rate - prompt_entries)
+                admitted.append(cache)
+        except BaseException:
+            for cache in admitted:
+                cache.finish(seq_id)
+            raise
+        self.seqs[seq_id] = _Sequence(self._free_slots.pop(), prompt_len)
+        return 0
+
+    def finish(self, seq_id) -> None:
+        for cache in self.caches.values():
+            if seq_id in cache.seqs:
+                cache.finish(seq_id)
+        self.placed.forget(seq_id)
+        self._free_slots.append(self.seqs.pop(seq_id).slot)
+
+    def close(self) -> None:
+        for cache in self.caches.values():
+            cache.close()
+
+    def capacity_text(self) -> str:
+        return "; ".join(f"{kind} entries (one per {self.rate(kind)} tokens): {cache.capacity_text()}"
+                         for kind, cache in self.caches.items())
+
+    def check_integrity(self) -> None:
+        for cache in self.caches.values():
+            cache.check_integrity()
+
+
+@dataclasses.dataclass
+class _EntryStep:
+    """One decode step's reading of the entry caches: each cache's view (window lengths counting the
+    entries this step writes), the rows of the batch by state slot, and each sequence's placed
+    blocks by logical index (for the CSA selection's split)."""
+
+    seq_ids: tuple
+    slots: torch.Tensor
+    views: dict
+    closes: dict  # layer type -> [B] bool: the sequences whose window closes this step
+    blocks: dict  # layer type -> (codes [B, n], physical [B, n], shard [B, n], placed entries [B]) on the host
+    layers: list = dataclasses.field(default_factory=list)  # per attended layer: (cpu, its s, device, its s, span)
+
+
+class SplitEntries:
+    """The EntryStore of the engine: entries written to the caches, attended split between the
+    device and the CPU (module docstring)."""
+
+    def __init__(self, caches: EntryCaches, cpu_partials: dict, policy: Policy, device: torch.device):
+        self.caches = caches
+        self.cpu_partials = cpu_partials
+        self.policy = policy
+        self.device = device
+        self.backend = "triton" if device.type == "cuda" else "cpu"
+        self.clock = _DeviceClock(device)
+        self.step: _EntryStep | None = None
+        # layer type -> entries the CPU and the device attended, and those the device read from
+        # cpu_transfer (beside a GPU: copied over PCIe)
+        self.attended: dict[str, dict[str, int]] = {}
+        self.gather_s = 0.0  # host time gathering CSA selections (the device's span, the CPU's rows)
+        self.prefill_seq = None  # the sequence a prefill writes
+
+    # ------------------------------------------------------------------ writes
+    def write_many(self, layer, slot, entries):
+        kind, index = self.caches.where[layer]
+        cache = self.caches.caches[kind]
+        cache.write_prefill_chunk(self.prefill_seq, index, 0, entries.to(cache.config.format.torch_dtype)[None])
+
+    def write(self, layer, slots, entries):
+        """entries [n, head_dim] of the sequences at slots (those whose window closed), into the cache's
+        window where the step's view puts each sequence's next entry."""
+        kind, index = self.caches.where[layer]
+        cache, view = self.caches.caches[kind], self.step.views[kind]
+        rows = self.step.closes[kind].nonzero()[:, 0].to(view.window_slots.device)
+        window = cache.window[0][index]  # [max_seqs, 1, window_tokens, head_dim]
+        window[view.window_slots[rows], 0, view.window_positions[rows]] = entries.to(window.dtype)
+
+    # ------------------------------------------------------------------ attention
+    def attend(self, layer, slots, q, scale, selected):
+        kind, index = self.caches.where[layer]
+        began = time.perf_counter()
+        if selected is None:
+            cpu, device, moved = self._dense(kind, index, q, scale)
+        else:
+            cpu, device, moved = self._sparse(kind, index, q, scale, selected)
+        span = time.perf_counter() - began
+        attended = self.attended.setdefault(kind, {"cpu": 0, "device": 0, "transfer": 0})
+        attended["cpu"] += 0 if cpu is None else cpu.tokens
+        attended["device"] += device.tokens
+        attended["transfer"] += moved
+        if cpu is None:
+            self.step.layers.append((0, 0.0, device.tokens, device.seconds, span))
+            return device.out, device.lse
+        self.step.layers.append((cpu.tokens, cpu.seconds, device.tokens, device.seconds, span))
+        return ops.merge([(cpu.out.to(device.out.device), cpu.lse.to(device.out.device)), (device.out, device.lse)])
+
+    def _dense(self, kind, index, q, scale):
+        """Every entry: the cache's own split (window + cpu_transfer on the device, cpu_compute on the CPU)."""
+        cache, view = self.caches.caches[kind], self.step.views[kind]
+        ships = self.policy.ships_cpu_compute
+        cpu = None if ships else self.cpu_partials[kind].attend(index, q.to("cpu"), view, scale).result()
+        cache.start_transfer(index, view)
+        started = self.clock.start()
+        out, lse = device_side(cache, index, view, q, scale, self.backend, ships_compute=ships)
+        moved = view.transfer_tokens + (view.compute_tokens if ships else 0)
+        tokens = moved + int(view.window_lens.sum())
+        return cpu, ops.Partial(out, lse, tokens, self.clock.seconds(self.clock.stop(started))), moved
+
+    def _sparse(self, kind, index, q, scale, selected):
+        """The indexer's selection [B, k] (-1: none), split by where each selected entry lies."""
+        cache, view = self.caches.caches[kind], self.step.views[kind]
+        codes, physical, shards, placed = self.step.blocks[kind]
+        selected = selected.to("cpu")
+        valid = selected >= 0
+        in_window = valid & (selected >= placed[:, None])
+        block = torch.where(valid & ~in_window, selected // cache.block_size, 0)
+        offset = selected % cache.block_size
+        code = codes.gather(1, block)
+        in_compute = valid & ~in_window & (code == COMPUTE)
+        on_transfer = valid & ~in_window & (code == TRANSFER)
+        phys, shard = physical.gather(1, block), shards.gather(1, block)
+        ships = self.policy.ships_cpu_compute  # monolithic: cpu_compute's share goes to the device too
+
+        started = self.clock.start()
+        gather_began = time.perf_counter()
+        # the device's share of the selection, gathered into one span (pinned beside a GPU: one copy)
+        rows = torch.zeros(*selected.shape, cache.config.format.head_dim_k, dtype=cache.config.format.torch_dtype,
+                           pin_memory=self.device.type == "cuda")
+        if bool(on_transfer.any()):
+            rows[on_transfer] = cache.transfer.arrays[0][index][phys[on_transfer], 0, offset[on_transfer]]
+        if ships:
+            _gather_compute(cache, index, rows, in_compute, phys, shard, offset)
+        self.gather_s += time.perf_counter() - gather_began
+        device_rows = rows.to(self.device, non_blocking=True)
+        if bool(in_window.any()):
+            window = cache.window[0][index]  # [max_seqs, 1, window_tokens, head_dim]
+            where = in_window.nonzero().to(self.device)
+            positions = (selected - placed[:, None])[in_window].to(self.device)
+            device_rows[where[:, 0], where[:, 1]] = window[view.window_slots[where[:, 0]], 0, positions]
+        on_device = (in_window | on_transfer | (in_compute if ships else False)).to(self.device)
+        out, lse = _attend_rows(q, device_rows, on_device, scale, self.backend)
+        device = ops.Partial(out, lse, int(on_device.sum()), self.clock.seconds(self.clock.stop(started)))
+        moved = int(on_transfer.sum()) + (int(in_compute.sum()) if ships else 0)
+        if ships or not bool(in_compute.any()):
+            return None, device, moved
+        began = time.perf_counter()
+        cpu_rows = torch.zeros_like(rows, pin_memory=False)
+        _gather_compute(cache, index, cpu_rows, in_compute, phys, shard, offset)
+        self.gather_s += time.perf_counter() - began
+        out, lse = _attend_rows(q.to("cpu"), cpu_rows, in_compute, scale, "cpu")
+        return ops.Partial(out, lse, int(in_compute.sum()), time.perf_counter() - began), device, moved
+
+
+def _gather_compute(cache, index, rows, chosen, phys, shard, offset):
+    """rows[chosen] = the chosen entries from cpu_compute's shards (token-major: [layers, 1, blocks,
+    block_size, head_dim]): a host read of exactly the selected bytes."""
+    for s, region in enumerate(cache.compute):
+        here = chosen & (shard == s)
+        if bool(here.any()):
+            rows[here] = region.arrays[0][index][0, phys[here], offset[here]]
+
+
+def _attend_rows(q, rows, chosen, scale, backend):
+    """q [B, H, D]; rows [B, k, D] of which chosen [B, k] -> the partial over each row's chosen entries:
+    compacted to the front of the row, one block per sequence, through the backend's kernel."""
+    order = torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)
+    packed = rows.gather(1, order[..., None].expand(-1, -1, rows.shape[-1]))
+    blocks = packed[:, None]  # [B blocks, 1 kv head, k, D]
+    table = torch.arange(rows.shape[0], dtype=torch.int32, device=rows.device)[:, None]
+    lens = chosen.sum(dim=1).to(torch.int32)
+    return ops.attend(q, [ops.KVSource(blocks, blocks, table, lens)], scale, backend)
+
+
+class DeepseekV4Engine(Engine):
+    """Engine's request loop over DeepSeek-V4 (module docstring): prefill whole prompts, decode the
+    running batch with the sliding windows on the device and the entries split."""
+
+    def __init__(self, model: DeepseekV4Model, tokenizer, *, policy: Policy, caches: EntryCaches, executor,
+                 max_batch_size: int, max_seq_len: int):
+        # what the request loop reads (Engine.__init__ builds the other models' task graph and cache)
+        self.model = model
+        self.config: DeepseekV4Config = model.config
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.cache = caches
+        self.executor = executor
+        self.cpu_partials = {kind: executor.make_cpu_partial(cache) for kind, cache in caches.caches.items()}
+        self._clock = _DeviceClock(model.device)
+        self.step_history: deque = deque(maxlen=4096)
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.prefill_chunk_tokens = max_seq_len  # a prompt is prefilled whole
+        self.prompts = PromptEncoder(tokenizer, self.config.vocab_size, max_seq_len)
+        self.stats = {"steps": 0, "decode_s": 0.0, "tokens": 0, "attention_s": 0.0, "prompt_tokens": 0,
+                      "cached_prompt_tokens": 0, "prefill_s": 0.0}
+        self.enable_prefix_caching = False
+        self.decode_threads: int | None = 1 if model.device.type == "cpu" else None
+        self.prefill_threads: int | None = None
+        self.states = SequenceStates(self.config, max_batch_size, max_seq_len, model.device, model.dtype)
+        self.store = SplitEntries(caches, self.cpu_partials, policy, model.device)
+        self.forward = DeepseekV4Forward(model, self.states, self.store)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, *, executor=None, concurrent: bool | None = None,
+                    region_handles=None, cache_config=None):
+        from writescope.loading import load_model
+
+        if region_handles is not None or cache_config is not None:
+            raise ValueError("a DeepSeek-V4 engine creates its own entry caches: region_handles and cache_config "
+                             "are for the other architectures")
+        if config.hot_experts is not None:
+            raise ValueError("hot_experts is not supported for DeepSeek-V4 yet: its experts all live on the device")
+        model_config, weights, tokenizer, torch_dtype = load_model(config.model, config.dtype, config.weights_seed)
+        model = DeepseekV4Model(model_config, weights, device=config.device)
+        return cls.from_model(model, tokenizer, torch_dtype, policy=config.policy, executor=executor,
+                              window_tokens=config.window_tokens, max_batch_size=config.max_batch_size,
+                              max_seq_len=config.max_seq_len, block_size=config.block_size,
+                              num_shards=config.num_shards, pingpong_blocks=config.pingpong_blocks,
+                              max_host_kv_gb=config.max_host_kv_gb)
+
+    @classmethod
+    def from_model(cls, model: DeepseekV4Model, tokenizer, kv_dtype: torch.dtype, *,
+                   policy: str | Policy = "writescope", executor=None,
+                   window_tokens: int = EngineConfig.window_tokens, max_batch_size: int = EngineConfig.max_batch_size,
+                   max_seq_len: int = EngineConfig.max_seq_len, block_size: int = EngineConfig.block_size,
+                   num_shards: int | None = None, pingpong_blocks: int | None = None,
+                   max_host_kv_gb: float | None = None, **unused):
+        check_policy(policy)
+        if not model.config.layers_of(CSA) and not model.config.layers_of(HCA):
+            raise ValueError("the model has no compressed layer: nothing to place outside the sliding windows")
+        calibrate = policy == "writescope"
+        if not isinstance(policy, Policy):
+            policy = make_policy(policy, PROVISIONAL_MODEL if calibrate else None)
+        caches = EntryCaches(model.config, kv_dtype, policy, block_size=block_size, window_tokens=window_tokens,
+                             max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_shards=num_shards or 1,
+                             pingpong_blocks=pingpong_blocks, device=str(model.device),
+                             max_host_kv_bytes=None if max_host_kv_gb is None else int(max_host_kv_gb * 2**30))
+        executor = executor or LocalExecutor(concurrent=False)
+        try:
+            engine = cls(model, tokenizer, policy=policy, caches=caches, executor=executor,
+                         max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+            if calibrate:
+                policy.estimator.reset_to(engine.calibrate())
+            return engine
+        except BaseException:
+            caches.close()
+            executor.shutdown()
+            raise
+
+    def calibrate(self, *, force: bool = False, lengths: tuple[int, ...] | None = None):
+        """The perf model, timed on the first entry cache (the same format in each: one head of head_dim)."""
+        from writescope.calibration import MAX_BATCH, CalibrationSetup, calibrate
+
+        kind, cache = next(iter(self.cache.caches.items()))
+        setup = CalibrationSetup(self.config.num_q_heads, self.config.attention_scale,
+                                 batch=min(self.max_batch_size, MAX_BATCH),
+                                 cpu_partial=type(self.cpu_partials[kind]).__name__, cpu_in_thread=False)
+        with torch.inference_mode():
+            return calibrate(cache, self.cpu_partials[kind], setup, force=force, lengths=lengths)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+        for partial in self.cpu_partials.values():
+            partial.close()
+        self.cache.close()
+
+    # ------------------------------------------------------------------ prefill and decode
+    @torch.inference_mode()
+    def _prefill_chunk(self, request: _Request) -> Sampled:
+        sequence = self.cache.seqs[request.seq_id]
+        self.store.prefill_seq = request.seq_id
+        tokens = torch.tensor(request.prompt, device=self.model.device)
+        logits = self.forward.prefill(tokens, sequence.slot)
+        request.prefilled = len(request.prompt)
+        return self._sample([request], logits)
+
+    @torch.inference_mode()
+    def _decode_step(self, running: list[_Request]) -> Sampled:
+        began = time.perf_counter()
+        seq_ids = tuple(r.seq_id for r in running)
+        device = self.model.device
+        sequences = [self.cache.seqs[s] for s in seq_ids]
+        positions = torch.tensor([s.num_tokens for s in sequences], device=device)
+        slots = torch.tensor([s.slot for s in sequences], device=device)
+        self.store.step = self._entry_step(seq_ids, positions.cpu(), slots)
+        with _torch_threads(self.decode_threads):
+            logits = self.forward.decode(torch.tensor([r.tokens[-1] for r in running], device=device), positions,
+                                         slots)
+        tokens = self._sample(running, logits)
+        for kind, cache in self.cache.caches.items():
+            cache.commit([s for s, closes in zip(seq_ids, self.store.step.closes[kind].tolist(), strict=True)
+                          if closes])
+        for sequence in sequences:
+            sequence.num_tokens += 1
+        self._account(self.store.step, time.perf_counter() - began)
+        return tokens
+
+    def _entry_step(self, seq_ids, positions, slots) -> _EntryStep:
+        """The step's views of the entry caches: nothing pending in the window but the entries this
+        step's closing windows add (window_lens count them: they are attended in the step)."""
+        views, closes, blocks = {}, {}, {}
+        for kind, cache in self.cache.caches.items():
+            closing = (positions + 1) % self.cache.rate(kind) == 0
+            view = cache.step_view(seq_ids, pending_tokens=0)
+            views[kind] = dataclasses.replace(view, window_lens=view.window_lens + closing.to(view.window_lens))
+            closes[kind] = closing
+            blocks[kind] = self.cache.placed.batch(kind, cache, seq_ids)
+        return _EntryStep(seq_ids, slots, views, closes, blocks)
+
+    def _account(self, step: _EntryStep, step_s: float) -> None:
+        attention_s = 0.0
+        for cpu_tokens, cpu_s, device_tokens, device_s, span in step.layers:
+            self.policy.observe_step(cpu_tokens, cpu_s, device_tokens, device_s)
+            attention_s += span
+        self.policy.end_step()
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(step.seq_ids)
+        self.stats["decode_s"] += step_s
+        self.stats["attention_s"] += attention_s
+        self.step_history.append((step_s, attention_s))
+
+
+class PlacedBlocks:
+    """Each sequence's placed entry blocks by logical index, as tensors kept up to date as blocks are
+    placed (a flush converts only its new blocks): what splitting a CSA selection reads each step."""
+
+    def __init__(self):
+        self.rows: dict[tuple[str, object], torch.Tensor] = {}  # (kind, seq) -> [n, 3]: code, block, shard
+
+    def of(self, kind: str, cache: InplaceKVCache, seq_id) -> torch.Tensor:
+        blocks = cache.seqs[seq_id].blocks
+        held = self.rows.get((kind, seq_id))
+        known = 0 if held is None else held.shape[0]
+        if known < len(blocks):
+            new = torch.tensor([[COMPUTE if p.region is Region.CPU_COMPUTE else TRANSFER, p.block, p.shard]
+                                for p in blocks[known:]], dtype=torch.int64)
+            held = new if held is None else torch.cat([held, new])
+            self.rows[(kind, seq_id)] = held
+        return held if held is not None else torch.zeros((0, 3), dtype=torch.int64)
+
+    def batch(self, kind: str, cache: InplaceKVCache, seq_ids):
+        """-> (region codes, physical blocks, shards) [B, n] int64 and the entries they hold [B], on the
+        host; n: the most blocks any of the sequences has placed (rows padded past their own)."""
+        rows = [self.of(kind, cache, s) for s in seq_ids]
+        width = max([r.shape[0] for r in rows] + [1])
+        table = torch.zeros((len(rows), width, 3), dtype=torch.int64)
+        table[..., 0] = TRANSFER
+        for row, held in enumerate(rows):
+            table[row, : held.shape[0]] = held
+        placed = torch.tensor([r.shape[0] * cache.block_size for r in rows], dtype=torch.int64)
+        return table[..., 0], table[..., 1], table[..., 2], placed
+
+    def forget(self, seq_id) -> None:
+        for key in [k for k in self.rows if k[1] == seq_id]:
+            del self.rows[key]
