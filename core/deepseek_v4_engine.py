@@ -10,11 +10,10 @@ them, like any block. Per decode step and layer:
 - HCA: every entry, split as for any model: the device attends its window and cpu_transfer (in
   place on a CPU host, through the ping-pong buffer beside a GPU), the CPU kernel cpu_compute.
 - CSA: the indexer (on the device) picks the top-k entries per query. The selection is split by
-  where each entry lies: the window's and cpu_transfer's selected entries are gathered into one
-  contiguous span (cpu_transfer's through a pinned staging span, one copy) and attended by the
-  device; cpu_compute's are gathered on the host and attended by the CPU kernel. The kernel
-  reads whole blocks of a table, and a selection is entries, not blocks: the host gather is a
-  read of exactly the bytes the kernel then reads again (k x head_dim per sequence and layer).
+  where each entry lies. cpu_compute's are attended in place by the CPU kernel: it reads a
+  token-major region as blocks of one token, so a selection is a table of token indices into the
+  region. The window's and cpu_transfer's are the device's: attended in place too on a CPU host;
+  beside a GPU gathered into one contiguous pinned span (one copy), as the release gathers them.
 The partials (sliding window, device entries, CPU entries) merge by LSE, and the sinks enter as an
 extra term of the softmax's denominator. The policy is fed the entries each side attended, so the
 perf model sees the bytes the sparse step moves, not the context length.
@@ -77,6 +76,41 @@ class _Sequence:
     num_tokens: int  # tokens committed (prompt + generated): the next token's position
 
 
+class PlacedBlocks:
+    """Each sequence's placed entry blocks by logical index, as tensors kept up to date as blocks are
+    placed (a flush converts only its new blocks): what splitting a CSA selection reads each step."""
+
+    def __init__(self):
+        self.rows: dict[tuple[str, object], torch.Tensor] = {}  # (kind, seq) -> [n, 3]: code, block, shard
+
+    def of(self, kind: str, cache: InplaceKVCache, seq_id) -> torch.Tensor:
+        blocks = cache.seqs[seq_id].blocks
+        held = self.rows.get((kind, seq_id))
+        known = 0 if held is None else held.shape[0]
+        if known < len(blocks):
+            new = torch.tensor([[COMPUTE if p.region is Region.CPU_COMPUTE else TRANSFER, p.block, p.shard]
+                                for p in blocks[known:]], dtype=torch.int64)
+            held = new if held is None else torch.cat([held, new])
+            self.rows[(kind, seq_id)] = held
+        return held if held is not None else torch.zeros((0, 3), dtype=torch.int64)
+
+    def batch(self, kind: str, cache: InplaceKVCache, seq_ids):
+        """-> (region codes, physical blocks, shards) [B, n] int64 and the entries they hold [B], on the
+        host; n: the most blocks any of the sequences has placed (rows padded past their own)."""
+        rows = [self.of(kind, cache, s) for s in seq_ids]
+        width = max([r.shape[0] for r in rows] + [1])
+        table = torch.zeros((len(rows), width, 3), dtype=torch.int64)
+        table[..., 0] = TRANSFER
+        for row, held in enumerate(rows):
+            table[row, : held.shape[0]] = held
+        placed = torch.tensor([r.shape[0] * cache.block_size for r in rows], dtype=torch.int64)
+        return table[..., 0], table[..., 1], table[..., 2], placed
+
+    def forget(self, seq_id) -> None:
+        for key in [k for k in self.rows if k[1] == seq_id]:
+            del self.rows[key]
+
+
 class EntryCaches:
     """The KV of a DeepSeek-V4 engine: an InplaceKVCache of compressed entries per compressed layer
     type, and each sequence's token count and state slot. Admission reserves, in each cache, the
@@ -93,10 +127,10 @@ class EntryCaches:
             layers = cfg.layers_of(kind)
             if not layers:
                 continue
-            rate = cfg.csa_rate if kind == CSA else cfg.hca_rate
             config = engine_cache_config(EntryFormat(len(layers), cfg.head_dim), kv_dtype, block_size=block_size,
                                          max_batch_size=max_batch_size,
-                                         max_seq_len=max(max_seq_len // rate, block_size), num_shards=num_shards,
+                                         max_seq_len=max(max_seq_len // self.rate(kind), block_size),
+                                         num_shards=num_shards,
                                          window_tokens=window_tokens, pingpong_blocks=pingpong_blocks, device=device)
             config = config.with_host_limit(max_host_kv_bytes)
             self.caches[kind] = InplaceKVCache(config, policy)
@@ -104,7 +138,6 @@ class EntryCaches:
         self.seqs: dict[object, _Sequence] = {}
         self.placed = PlacedBlocks()
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
-        self.block_size = block_size
 
     def rate(self, kind: str) -> int:
         return self.cfg.csa_rate if kind == CSA else self.cfg.hca_rate
@@ -151,11 +184,10 @@ class EntryCaches:
 @dataclasses.dataclass
 class _EntryStep:
     """One decode step's reading of the entry caches: each cache's view (window lengths counting the
-    entries this step writes), the rows of the batch by state slot, and each sequence's placed
-    blocks by logical index (for the CSA selection's split)."""
+    entries this step writes), which sequences close a window, and each sequence's placed blocks by
+    logical index (for the CSA selection's split)."""
 
     seq_ids: tuple
-    slots: torch.Tensor
     views: dict
     closes: dict  # layer type -> [B] bool: the sequences whose window closes this step
     blocks: dict  # layer type -> (codes [B, n], physical [B, n], shard [B, n], placed entries [B]) on the host
@@ -172,6 +204,9 @@ class SplitEntries:
         self.policy = policy
         self.device = device
         self.backend = "triton" if device.type == "cuda" else "cpu"
+        # the device side attends its share of a CSA selection where it lies (a CPU host) or gathered
+        # into one span and copied (beside a GPU); tests take the second path on the CPU too
+        self.device_in_place = device.type == "cpu"
         self.clock = _DeviceClock(device)
         self.step: _EntryStep | None = None
         # layer type -> entries the CPU and the device attended, and those the device read from
@@ -227,57 +262,97 @@ class SplitEntries:
         return cpu, ops.Partial(out, lse, tokens, self.clock.seconds(self.clock.stop(started))), moved
 
     def _sparse(self, kind, index, q, scale, selected):
-        """The indexer's selection [B, k] (-1: none), split by where each selected entry lies."""
-        cache, view = self.caches.caches[kind], self.step.views[kind]
+        """The indexer's selection [B, k] (-1: none), split by where each selected entry lies. The CPU
+        attends cpu_compute's selected entries in place: the C++ kernel reads a token-major region as
+        blocks of one token, so a selection is a table of token indices into it. The device attends the
+        window's and cpu_transfer's: in place too on a CPU host; beside a GPU gathered into one pinned
+        span and copied once (monolithic: cpu_compute's with them)."""
+        cache = self.caches.caches[kind]
         codes, physical, shards, placed = self.step.blocks[kind]
         selected = selected.to("cpu")
         valid = selected >= 0
         in_window = valid & (selected >= placed[:, None])
         block = torch.where(valid & ~in_window, selected // cache.block_size, 0)
-        offset = selected % cache.block_size
+        token = physical.gather(1, block) * cache.block_size + selected % cache.block_size  # within its region
         code = codes.gather(1, block)
         in_compute = valid & ~in_window & (code == COMPUTE)
         on_transfer = valid & ~in_window & (code == TRANSFER)
-        phys, shard = physical.gather(1, block), shards.gather(1, block)
-        ships = self.policy.ships_cpu_compute  # monolithic: cpu_compute's share goes to the device too
-
+        shard = shards.gather(1, block)
+        ships = self.policy.ships_cpu_compute
         started = self.clock.start()
-        gather_began = time.perf_counter()
-        # the device's share of the selection, gathered into one span (pinned beside a GPU: one copy)
-        rows = torch.zeros(*selected.shape, cache.config.format.head_dim_k, dtype=cache.config.format.torch_dtype,
-                           pin_memory=self.device.type == "cuda")
-        if bool(on_transfer.any()):
-            rows[on_transfer] = cache.transfer.arrays[0][index][phys[on_transfer], 0, offset[on_transfer]]
-        if ships:
-            _gather_compute(cache, index, rows, in_compute, phys, shard, offset)
-        self.gather_s += time.perf_counter() - gather_began
-        device_rows = rows.to(self.device, non_blocking=True)
-        if bool(in_window.any()):
-            window = cache.window[0][index]  # [max_seqs, 1, window_tokens, head_dim]
-            where = in_window.nonzero().to(self.device)
-            positions = (selected - placed[:, None])[in_window].to(self.device)
-            device_rows[where[:, 0], where[:, 1]] = window[view.window_slots[where[:, 0]], 0, positions]
-        on_device = (in_window | on_transfer | (in_compute if ships else False)).to(self.device)
-        out, lse = _attend_rows(q, device_rows, on_device, scale, self.backend)
-        device = ops.Partial(out, lse, int(on_device.sum()), self.clock.seconds(self.clock.stop(started)))
+        if self.device_in_place:
+            out, lse = self._device_in_place(kind, index, q, scale, selected, placed, token, in_window, on_transfer,
+                                             in_compute if ships else None, shard)
+        else:
+            out, lse = self._device_gathered(kind, index, q, scale, selected, placed, token, in_window, on_transfer,
+                                             in_compute if ships else None, shard)
+        device_tokens = int(in_window.sum()) + int(on_transfer.sum()) + (int(in_compute.sum()) if ships else 0)
+        device = ops.Partial(out, lse, device_tokens, self.clock.seconds(self.clock.stop(started)))
         moved = int(on_transfer.sum()) + (int(in_compute.sum()) if ships else 0)
         if ships or not bool(in_compute.any()):
             return None, device, moved
         began = time.perf_counter()
-        cpu_rows = torch.zeros_like(rows, pin_memory=False)
-        _gather_compute(cache, index, cpu_rows, in_compute, phys, shard, offset)
-        self.gather_s += time.perf_counter() - began
-        out, lse = _attend_rows(q.to("cpu"), cpu_rows, in_compute, scale, "cpu")
+        out, lse = ops.attend(q.to("cpu"), _compute_sources(cache, index, token, in_compute, shard), scale, "cpu")
         return ops.Partial(out, lse, int(in_compute.sum()), time.perf_counter() - began), device, moved
 
+    def _window_tokens(self, kind, selected, placed):
+        """Selected window entries as token indices into the window's [max_seqs x window_tokens] rows."""
+        cache, view = self.caches.caches[kind], self.step.views[kind]
+        return view.window_slots.cpu()[:, None] * cache.config.window_tokens + (selected - placed[:, None])
 
-def _gather_compute(cache, index, rows, chosen, phys, shard, offset):
-    """rows[chosen] = the chosen entries from cpu_compute's shards (token-major: [layers, 1, blocks,
-    block_size, head_dim]): a host read of exactly the selected bytes."""
-    for s, region in enumerate(cache.compute):
-        here = chosen & (shard == s)
-        if bool(here.any()):
-            rows[here] = region.arrays[0][index][0, phys[here], offset[here]]
+    def _device_in_place(self, kind, index, q, scale, selected, placed, token, in_window, on_transfer, in_compute,
+                         shard):
+        cache = self.caches.caches[kind]
+        sources = [_token_source(cache.window[0][index], self._window_tokens(kind, selected, placed), in_window),
+                   _token_source(cache.transfer.arrays[0][index], token, on_transfer)]
+        if in_compute is not None:
+            sources += _compute_sources(cache, index, token, in_compute, shard)
+        return ops.attend(q, sources, scale, "cpu")
+
+    def _device_gathered(self, kind, index, q, scale, selected, placed, token, in_window, on_transfer, in_compute,
+                         shard):
+        """The device's share gathered into one span: cpu_transfer's (and, shipped, cpu_compute's) rows
+        into a pinned staging tensor, one copy to the device, then the window's rows on the device."""
+        cache = self.caches.caches[kind]
+        head_dim, dtype = cache.config.format.head_dim_k, cache.config.format.torch_dtype
+        began = time.perf_counter()
+        rows = torch.zeros(*selected.shape, head_dim, dtype=dtype, pin_memory=self.device.type == "cuda")
+        rows[on_transfer] = _one_token_blocks(cache.transfer.arrays[0][index])[token[on_transfer], 0, 0]
+        chosen = on_transfer
+        if in_compute is not None:
+            for s, region in enumerate(cache.compute):
+                here = in_compute & (shard == s)
+                rows[here] = _one_token_blocks(region.arrays[0][index])[token[here], 0, 0]
+            chosen = chosen | in_compute
+        self.gather_s += time.perf_counter() - began
+        device_rows = rows.to(self.device, non_blocking=True)
+        window = _one_token_blocks(cache.window[0][index])
+        window_token = self._window_tokens(kind, selected, placed)
+        device_rows[in_window.to(self.device)] = window[window_token[in_window].to(self.device), 0, 0]
+        return _attend_rows(q, device_rows, (chosen | in_window).to(self.device), scale, self.backend)
+
+
+def _one_token_blocks(array):
+    """A token-major array of one layer ([..., tokens, head_dim] with one KV head) as blocks of one
+    token: [all its tokens, 1 kv head, 1, head_dim], a view."""
+    return array.reshape(-1, 1, 1, array.shape[-1])
+
+
+def _token_source(array, tokens, chosen):
+    """A paged source over `array`'s tokens (token-major, one KV head) holding each row's chosen
+    tokens: tokens [B, k] indices into the array's tokens, chosen [B, k] -> one-token blocks, the row's
+    chosen ones first in its table."""
+    order = torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)
+    lens = chosen.sum(dim=1).to(torch.int32)
+    table = torch.where(chosen.gather(1, order), tokens.gather(1, order), 0).to(torch.int32)
+    blocks = _one_token_blocks(array)
+    return ops.KVSource(blocks, blocks, table, lens)
+
+
+def _compute_sources(cache, index, token, chosen, shard):
+    """The chosen entries of cpu_compute, one source per shard, in place."""
+    return [_token_source(region.arrays[0][index], token, chosen & (shard == s))
+            for s, region in enumerate(cache.compute)]
 
 
 def _attend_rows(q, rows, chosen, scale, backend):
@@ -402,7 +477,7 @@ class DeepseekV4Engine(Engine):
         sequences = [self.cache.seqs[s] for s in seq_ids]
         positions = torch.tensor([s.num_tokens for s in sequences], device=device)
         slots = torch.tensor([s.slot for s in sequences], device=device)
-        self.store.step = self._entry_step(seq_ids, positions.cpu(), slots)
+        self.store.step = self._entry_step(seq_ids, positions.cpu())
         with _torch_threads(self.decode_threads):
             logits = self.forward.decode(torch.tensor([r.tokens[-1] for r in running], device=device), positions,
                                          slots)
@@ -415,7 +490,7 @@ class DeepseekV4Engine(Engine):
         self._account(self.store.step, time.perf_counter() - began)
         return tokens
 
-    def _entry_step(self, seq_ids, positions, slots) -> _EntryStep:
+    def _entry_step(self, seq_ids, positions) -> _EntryStep:
         """The step's views of the entry caches: nothing pending in the window but the entries this
         step's closing windows add (window_lens count them: they are attended in the step)."""
         views, closes, blocks = {}, {}, {}
@@ -425,7 +500,7 @@ class DeepseekV4Engine(Engine):
             views[kind] = dataclasses.replace(view, window_lens=view.window_lens + closing.to(view.window_lens))
             closes[kind] = closing
             blocks[kind] = self.cache.placed.batch(kind, cache, seq_ids)
-        return _EntryStep(seq_ids, slots, views, closes, blocks)
+        return _EntryStep(seq_ids, views, closes, blocks)
 
     def _account(self, step: _EntryStep, step_s: float) -> None:
         attention_s = 0.0
@@ -438,38 +513,3 @@ class DeepseekV4Engine(Engine):
         self.stats["decode_s"] += step_s
         self.stats["attention_s"] += attention_s
         self.step_history.append((step_s, attention_s))
-
-
-class PlacedBlocks:
-    """Each sequence's placed entry blocks by logical index, as tensors kept up to date as blocks are
-    placed (a flush converts only its new blocks): what splitting a CSA selection reads each step."""
-
-    def __init__(self):
-        self.rows: dict[tuple[str, object], torch.Tensor] = {}  # (kind, seq) -> [n, 3]: code, block, shard
-
-    def of(self, kind: str, cache: InplaceKVCache, seq_id) -> torch.Tensor:
-        blocks = cache.seqs[seq_id].blocks
-        held = self.rows.get((kind, seq_id))
-        known = 0 if held is None else held.shape[0]
-        if known < len(blocks):
-            new = torch.tensor([[COMPUTE if p.region is Region.CPU_COMPUTE else TRANSFER, p.block, p.shard]
-                                for p in blocks[known:]], dtype=torch.int64)
-            held = new if held is None else torch.cat([held, new])
-            self.rows[(kind, seq_id)] = held
-        return held if held is not None else torch.zeros((0, 3), dtype=torch.int64)
-
-    def batch(self, kind: str, cache: InplaceKVCache, seq_ids):
-        """-> (region codes, physical blocks, shards) [B, n] int64 and the entries they hold [B], on the
-        host; n: the most blocks any of the sequences has placed (rows padded past their own)."""
-        rows = [self.of(kind, cache, s) for s in seq_ids]
-        width = max([r.shape[0] for r in rows] + [1])
-        table = torch.zeros((len(rows), width, 3), dtype=torch.int64)
-        table[..., 0] = TRANSFER
-        for row, held in enumerate(rows):
-            table[row, : held.shape[0]] = held
-        placed = torch.tensor([r.shape[0] * cache.block_size for r in rows], dtype=torch.int64)
-        return table[..., 0], table[..., 1], table[..., 2], placed
-
-    def forget(self, seq_id) -> None:
-        for key in [k for k in self.rows if k[1] == seq_id]:
-            del self.rows[key]

@@ -9,8 +9,9 @@ selection disabled, everything else the same, on the same sequence). Per step an
     moved        of those, the bytes the device side read from cpu_transfer (beside a GPU they
                  cross PCIe: the ping-pong copy for HCA, the gathered span for CSA)
     entries      CSA entries attended per step on the CPU and on the device side
-    gather       host seconds a step spends gathering CSA selections (the device's span from
-                 cpu_transfer and the CPU's rows from cpu_compute), against the step's seconds
+    gather       host seconds a step spends gathering the device's share of CSA selections into
+                 one span (beside a GPU, or with --device-gathers; the CPU attends its share in
+                 place, and so does the device side on a CPU host), against the step's seconds
     tok/s        1 / the median step, the first --warmup steps of each variant left out
 The placement is the policy's (`fixed_half` by default, so that both sides hold entries).
 
@@ -29,39 +30,82 @@ from tqdm import tqdm
 
 from writescope.engine import Engine
 from writescope.models.deepseek_v4 import CSA, HCA
+from writescope.models.presets import SPARSE_PRESETS
 from writescope.policies import POLICY_NAMES
+from writescope.sampling import SamplingParams
 from writescope.tools.results import check_positive, host_info, write_json
 
 log = logging.getLogger("bench_sparse")
-PRESET = "tiny-deepseek-v4"
 
 
 def measure(context: int, args) -> dict:
-    """One sequence of `context` prompt tokens: prefill, then the sparse steps, then the dense ones."""
-    engine = Engine.from_pretrained(PRESET, policy=args.policy, dtype=args.dtype, max_batch_size=1, device=args.device,
-                                    max_seq_len=context + 2 * (args.steps + args.warmup) + 8,
+    """One sequence of `context` prompt tokens: prefilled (or its KV drawn), then the sparse steps,
+    then the dense ones, each step the engine's own."""
+    per_variant = args.steps + args.warmup
+    engine = Engine.from_pretrained(args.preset, policy=args.policy, dtype=args.dtype, max_batch_size=1,
+                                    device=args.device, max_seq_len=context + 2 * per_variant + 8,
                                     window_tokens=args.window_tokens, block_size=args.block_size)
+    engine.store.device_in_place = not args.device_gathers
     try:
-        prompt = torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(context)).tolist()
-        per_variant = args.steps + args.warmup
-        records = {"sparse": [], "dense": []}
         began = time.perf_counter()
-        stream = engine.generate_stream([prompt], max_new_tokens=2 * per_variant + 1)
-        next(stream)  # the first token: the prefill's
-        prefill_s = time.perf_counter() - began
-        log.info("%d tokens prefilled in %.1f s", context, prefill_s)
+        request = (synthetic_sequence if args.synthetic else prefilled_sequence)(engine, context, 2 * per_variant + 1)
+        prefill_s = None if args.synthetic else time.perf_counter() - began
+        log.info("%d tokens %s in %.1f s", context, "drawn" if args.synthetic else "prefilled",
+                 time.perf_counter() - began)
+        records = {}
         for variant in ("sparse", "dense"):
             engine.forward.select_entries = variant == "sparse"
+            records[variant] = []
             for _ in tqdm(range(per_variant), desc=f"{context} tokens, {variant}", unit="step"):
                 before = _counters(engine)
                 start = time.perf_counter()
-                next(stream)
+                sampled = engine._decode_step([request])
                 records[variant].append((time.perf_counter() - start, _delta(before, _counters(engine))))
-        stream.close()
-        return {"context": context, "prefill_s": prefill_s, "prefill_tok_s": context / prefill_s,
+                engine._accept(request, sampled.tokens[0])
+        return {"context": context, "prefill_s": prefill_s,
+                "prefill_tok_s": None if prefill_s is None else context / prefill_s,
                 **{variant: summarize(engine, rows[args.warmup:]) for variant, rows in records.items()}}
     finally:
         engine.shutdown()
+
+
+def prefilled_sequence(engine, context: int, new_tokens: int):
+    """A random prompt admitted and prefilled through the model, its first token sampled."""
+    prompt = torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(context)).tolist()
+    request = engine.make_request(0, prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    engine.cache.admit(request.seq_id, context, new_tokens)
+    event = engine._prefill_step(request)
+    if event is None or event.finish_reason == "error":
+        raise RuntimeError(f"the prefill of {context} tokens did not complete: {event}")
+    return request
+
+
+def synthetic_sequence(engine, context: int, new_tokens: int):
+    """A sequence of `context` tokens whose KV is drawn at random instead of prefilled: each compressed
+    layer's entries (unit RMS, as the compressor's norm leaves them) written to its cache as a prompt's
+    are, the CSA indexer keys, the sliding windows. For an attention shape this host cannot prefill
+    at length (the release's); the decode steps that follow are the engine's own."""
+    request = engine.make_request(0, [0] * context, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    engine.cache.admit(request.seq_id, context, new_tokens)
+    slot, cfg = engine.cache.seqs[request.seq_id].slot, engine.config
+    generator = torch.Generator().manual_seed(context)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator).to(engine.model.dtype).to(engine.model.device)
+
+    engine.states.reset(slot)
+    engine.states.ring[:, slot] = draw(cfg.num_layers, cfg.sliding_window, cfg.head_dim)
+    engine.store.prefill_seq = request.seq_id
+    for layer in range(cfg.num_layers):
+        count = context // cfg.rate(layer) if cfg.rate(layer) else 0
+        if count:
+            engine.store.write_many(layer, slot, draw(count, cfg.head_dim))
+        if layer in engine.states.index_keys:
+            engine.states.index_keys[layer][slot, :count] = draw(count, cfg.index_head_dim)
+    request.prefilled = context
+    engine.cache.seqs[request.seq_id].num_tokens = context
+    engine._accept(request, 0)
+    return request
 
 
 def _counters(engine) -> dict:
@@ -91,7 +135,9 @@ def summarize(engine, rows) -> dict:
 
 
 def table(results: list[dict], host: dict, args) -> str:
-    lines = [f"{PRESET}, {args.dtype}, policy {args.policy}, batch 1, device {args.device}"
+    drawn = (" (KV drawn, not prefilled)" if args.synthetic else "") + (
+        "; the device side gathers its share" if args.device_gathers else "")
+    lines = [f"{args.preset}{drawn}, {args.dtype}, policy {args.policy}, batch 1, device {args.device}"
              f"{' (' + host['gpu'] + ')' if host['gpu'] else ''}; {host['cpu_model']} ({host['cpus']} CPUs, "
              f"kernel variant `{host['cpu_variant']}`); medians of {args.steps} steps after {args.warmup} warm-up.",
              "",
@@ -99,17 +145,25 @@ def table(results: list[dict], host: dict, args) -> str:
              "| step ms | decode tok/s | prefill tok/s |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        prefill = "-" if r["prefill_tok_s"] is None else f"{r['prefill_tok_s']:.0f}"
         for variant in ("sparse", "dense"):
             v = r[variant]
             lines.append(f"| {r['context']} | {variant} | {v['kv_read_bytes'] / 2**20:.2f} MiB | "
                          f"{v['moved_bytes'] / 2**20:.2f} MiB | {v['csa_entries_cpu']:.0f} / "
                          f"{v['csa_entries_device']:.0f} | {v['gather_s'] * 1e3:.2f} | {v['step_s'] * 1e3:.1f} | "
-                         f"{v['tok_s']:.1f} | {r['prefill_tok_s']:.0f} |")
+                         f"{v['tok_s']:.1f} | {prefill} |")
     return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny-deepseek-v4", choices=list(SPARSE_PRESETS), help="model preset")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="draw the sequence's KV at random instead of prefilling it (for a shape this host "
+                             "cannot prefill at length)")
+    parser.add_argument("--device-gathers", action="store_true",
+                        help="the device side gathers its share of a selection into one span and copies it (as "
+                             "beside a GPU) even where it could attend it in place (a CPU host)")
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072], help="prompt tokens")
     parser.add_argument("--steps", type=int, default=16, help="measured decode steps per variant")
     parser.add_argument("--warmup", type=int, default=2, help="decode steps per variant left out")

@@ -299,17 +299,15 @@ def with_sinks(out, lse, sinks):
 
 
 def attention_with_lse(q, k, scale, bias=None):
-    """q [T, H, D], k [T?, S, D] (V = K) float32, bias [T, S] additive (-inf masked) or None ->
-    (out [T, H, D], lse [T, H]); a row with nothing visible gives out 0 and lse -inf."""
-    scores = torch.einsum("thd,tsd->ths", q.float(), k.float()) * scale if k.dim() == 3 else \
-        torch.einsum("thd,sd->ths", q.float(), k.float()) * scale
+    """q [T, H, D], k [S, D] or per query [T, S, D] (V = K), bias [T, S] additive (-inf masked) or None
+    -> (out [T, H, D], lse [T, H]) in float32; a row with nothing visible gives out 0 and lse -inf."""
+    keys, k32 = ("tsd" if k.dim() == 3 else "sd"), k.float()
+    scores = torch.einsum(f"thd,{keys}->ths", q.float(), k32) * scale
     if bias is not None:
         scores = scores + bias[:, None, :]
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    out = torch.einsum("ths,tsd->thd", probs, k.float()) if k.dim() == 3 else torch.einsum("ths,sd->thd", probs,
-                                                                                              k.float())
-    return out, lse
+    return torch.einsum(f"ths,{keys}->thd", probs, k32), lse
 
 
 def merge_two(a, b):
@@ -369,10 +367,6 @@ class DenseEntries:
             lses.append(lse[0])
         return torch.stack(outs), torch.stack(lses)
 
-    def free(self, slot):
-        for key in [k for k in self.store if k[1] == slot]:
-            del self.store[key]
-
 
 # ---------------------------------------------------------------------------------------------- per-sequence state
 class SequenceStates:
@@ -396,8 +390,9 @@ class SequenceStates:
             self.pools[layer] = Pool(max_seqs, rate, hd, overlap, device, dtype)
             if overlap:
                 self.index_pools[layer] = Pool(max_seqs, rate, cfg.index_head_dim, True, device, dtype)
+                # float32, as the indexer scores in it: no conversion of every key at every step
                 self.index_keys[layer] = torch.zeros(max_seqs, max_seq_len // rate + 1, cfg.index_head_dim,
-                                                     dtype=dtype, device=device)
+                                                     dtype=torch.float32, device=device)
 
     def reset(self, slot: int) -> None:
         for pool in [*self.pools.values(), *self.index_pools.values()]:
@@ -654,15 +649,16 @@ class DeepseekV4Forward:
         if layer not in self.states.index_pools:
             return None
         keys = self.states.index_keys[layer]
-        if not self.select_entries:
-            self._decode_pool(layer, self.states.index_pools[layer], x, in_window, closes, positions, slots, True)
-            return None
         key = self._decode_pool(layer, self.states.index_pools[layer], x, in_window, closes, positions, slots, True)
         if key is not None:
-            keys[slots[closes], (positions[closes] + 1) // rate - 1] = key
+            keys[slots[closes], (positions[closes] + 1) // rate - 1] = key.float()
+        if not self.select_entries:
+            return None
         counts = (positions + 1) // rate  # entries each sequence has now
         width = max(int(counts.max()), 1)
-        scores = self.model.index_scores(layer, x, q_residual, rotations["compress"], keys[slots, :width])
+        # the batch's keys: a view for one sequence, else one gather of the rows' first `width`
+        batch_keys = keys[slots[0], :width][None] if slots.shape[0] == 1 else keys[:, :width].index_select(0, slots)
+        scores = self.model.index_scores(layer, x, q_residual, rotations["compress"], batch_keys)
         return _top_entries(scores, counts.tolist(), self.cfg.index_topk)
 
     def _decode_pool(self, layer, pool, x, in_window, closes, positions, slots, indexer):

@@ -68,6 +68,14 @@ SPARSE_PRESETS = {
         "rope_theta": 10000.0, "compress_rope_theta": 160000.0, "eos_token_id": EOS_TOKEN_ID,
     },
 }
+# DeepSeek-V4-Flash's attention as released (64 query heads of 512 sharing one KV head, rope on 64,
+# q-LoRA 1024, 8 output groups of 1024, the indexer's 64 heads of 128, hidden 4096) on the tiny
+# preset's four layers, rates, window and top-512, with 4 small experts
+SPARSE_PRESETS["deepseek-v4-flash-shape"] = {
+    **SPARSE_PRESETS["tiny-deepseek-v4"], "hidden_size": 4096, "num_attention_heads": 64, "head_dim": 512,
+    "partial_rotary_factor": 0.125, "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "index_n_heads": 64,
+    "index_head_dim": 128, "n_routed_experts": 4,
+}
 
 PRESETS = {**TINY_PRESETS, **SHAPE_PRESETS, **SPARSE_PRESETS}
 

@@ -153,6 +153,24 @@ def test_engine_gives_transformers_tokens_under_every_policy(checkpoint, policy,
             torch.testing.assert_close(ours.cpu(), theirs.float(), **LOGITS)
 
 
+@pytest.mark.parametrize("policy", ["fixed_half", "monolithic"])
+def test_the_gathered_device_path_gives_the_same_tokens(checkpoint, policy, tmp_path, monkeypatch):
+    """Beside a GPU the device's share of a selection is gathered into one span and copied: the same
+    path run here on the CPU (monolithic: cpu_compute's share gathered with it)."""
+    monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
+    path, prompts, expected = checkpoint
+    engine = Engine.from_pretrained(path, policy=policy, dtype="float32", window_tokens=4, block_size=2,
+                                    max_batch_size=2, max_seq_len=256)
+    engine.store.device_in_place = False
+    try:
+        outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+        gathered_s = engine.store.gather_s
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in outputs] == [tokens for tokens, _ in expected]
+    assert gathered_s > 0
+
+
 def test_preset_generates_the_same_tokens_at_any_batch(tmp_path, monkeypatch):
     """tiny-deepseek-v4 (the release's rates, window and top-512): a sequence decoded alone and beside
     another gives the same tokens."""

@@ -16,7 +16,7 @@ def test_sparse_reads_the_selection_and_dense_every_entry(tmp_path, monkeypatch)
     bench_sparse.main(["--contexts", str(CONTEXT), "--steps", "2", "--warmup", "0", "--dtype", "float32",
                        "--out", str(out)])
     result = json.loads(out.read_text())["results"][0]
-    preset = SPARSE_PRESETS[bench_sparse.PRESET]
+    preset = SPARSE_PRESETS["tiny-deepseek-v4"]
     csa_layers = preset["layer_types"].count(CSA)
     sparse, dense = result["sparse"], result["dense"]
     assert sparse["csa_entries_cpu"] + sparse["csa_entries_device"] == csa_layers * preset["index_topk"]
