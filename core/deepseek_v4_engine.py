@@ -18,14 +18,16 @@ The partials (sliding window, device entries, CPU entries) merge by LSE, and the
 extra term of the softmax's denominator. The policy is fed the entries each side attended, so the
 perf model sees the bytes the sparse step moves, not the context length.
 
-The request loop (admission, sampling, stop handling, streaming) is Engine's; this engine brings
-its own model, KV and step. A prompt is prefilled whole (its attention in query chunks).
+The request loop (admission, sampling, stop handling, streaming, chunked prefill between decode
+steps) is Engine's; this engine brings its own model, KV and step. A prompt is prefilled in chunks
+of prefill_chunk_tokens, each ending where every cache's entries fill whole blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 
@@ -216,10 +218,15 @@ class SplitEntries:
         self.prefill_seq = None  # the sequence a prefill writes
 
     # ------------------------------------------------------------------ writes
-    def write_many(self, layer, slot, entries):
+    def write_many(self, layer, slot, entries, first):
         kind, index = self.caches.where[layer]
         cache = self.caches.caches[kind]
-        cache.write_prefill_chunk(self.prefill_seq, index, 0, entries.to(cache.config.format.torch_dtype)[None])
+        cache.write_prefill_chunk(self.prefill_seq, index, first, entries.to(cache.config.format.torch_dtype)[None])
+
+    def read(self, layer, slot, count):
+        kind, index = self.caches.where[layer]
+        k = self.caches.caches[kind].sequence_kv(self.prefill_seq, index, count)[0]  # [1 kv head, count, dim]
+        return k[0].to(self.device)
 
     def write(self, layer, slots, entries):
         """entries [n, head_dim] of the sequences at slots (those whose window closed), into the cache's
@@ -371,7 +378,8 @@ class DeepseekV4Engine(Engine):
     running batch with the sliding windows on the device and the entries split."""
 
     def __init__(self, model: DeepseekV4Model, tokenizer, *, policy: Policy, caches: EntryCaches, executor,
-                 max_batch_size: int, max_seq_len: int):
+                 max_batch_size: int, max_seq_len: int,
+                 prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens):
         # what the request loop reads (Engine.__init__ builds the other models' task graph and cache)
         self.model = model
         self.config: DeepseekV4Config = model.config
@@ -384,7 +392,13 @@ class DeepseekV4Engine(Engine):
         self.step_history: deque = deque(maxlen=4096)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
-        self.prefill_chunk_tokens = max_seq_len  # a prompt is prefilled whole
+        # a chunk ends where every cache's entries fill whole blocks: a multiple of each rate x block_size
+        unit = math.lcm(*(caches.rate(kind) * cache.block_size for kind, cache in caches.caches.items()))
+        if prefill_chunk_tokens < 1 or prefill_chunk_tokens % unit:
+            raise ValueError(f"prefill_chunk_tokens must be a positive multiple of {unit} for this model (each "
+                             f"compression rate x block_size: a chunk's entries fill whole blocks), got "
+                             f"{prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.prompts = PromptEncoder(tokenizer, self.config.vocab_size, max_seq_len)
         self.stats = {"steps": 0, "decode_s": 0.0, "tokens": 0, "attention_s": 0.0, "prompt_tokens": 0,
                       "cached_prompt_tokens": 0, "prefill_s": 0.0}
@@ -411,7 +425,8 @@ class DeepseekV4Engine(Engine):
                               window_tokens=config.window_tokens, max_batch_size=config.max_batch_size,
                               max_seq_len=config.max_seq_len, block_size=config.block_size,
                               num_shards=config.num_shards, pingpong_blocks=config.pingpong_blocks,
-                              max_host_kv_gb=config.max_host_kv_gb)
+                              max_host_kv_gb=config.max_host_kv_gb,
+                              prefill_chunk_tokens=config.prefill_chunk_tokens)
 
     @classmethod
     def from_model(cls, model: DeepseekV4Model, tokenizer, kv_dtype: torch.dtype, *,
@@ -419,7 +434,8 @@ class DeepseekV4Engine(Engine):
                    window_tokens: int = EngineConfig.window_tokens, max_batch_size: int = EngineConfig.max_batch_size,
                    max_seq_len: int = EngineConfig.max_seq_len, block_size: int = EngineConfig.block_size,
                    num_shards: int | None = None, pingpong_blocks: int | None = None,
-                   max_host_kv_gb: float | None = None, **unused):
+                   max_host_kv_gb: float | None = None,
+                   prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens):
         check_policy(policy)
         if not model.config.layers_of(CSA) and not model.config.layers_of(HCA):
             raise ValueError("the model has no compressed layer: nothing to place outside the sliding windows")
@@ -433,7 +449,8 @@ class DeepseekV4Engine(Engine):
         executor = executor or LocalExecutor(concurrent=False)
         try:
             engine = cls(model, tokenizer, policy=policy, caches=caches, executor=executor,
-                         max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+                         max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                         prefill_chunk_tokens=prefill_chunk_tokens)
             if calibrate:
                 policy.estimator.reset_to(engine.calibrate())
             return engine
@@ -461,13 +478,18 @@ class DeepseekV4Engine(Engine):
 
     # ------------------------------------------------------------------ prefill and decode
     @torch.inference_mode()
-    def _prefill_chunk(self, request: _Request) -> Sampled:
+    def _prefill_chunk(self, request: _Request) -> Sampled | None:
+        """Prompt tokens [prefilled, prefilled + prefill_chunk_tokens) through the model, each chunk's
+        entries written straight to their caches; the first token sampled after the last chunk, else
+        None (the running batch decodes a step between two chunks)."""
         sequence = self.cache.seqs[request.seq_id]
         self.store.prefill_seq = request.seq_id
-        tokens = torch.tensor(request.prompt, device=self.model.device)
-        logits = self.forward.prefill(tokens, sequence.slot)
-        request.prefilled = len(request.prompt)
-        return self._sample([request], logits)
+        start = request.prefilled
+        end = min(start + self.prefill_chunk_tokens, len(request.prompt))
+        tokens = torch.tensor(request.prompt[start:end], device=self.model.device)
+        logits = self.forward.prefill(tokens, sequence.slot, start, len(request.prompt))
+        request.prefilled = end
+        return self._sample([request], logits) if end == len(request.prompt) else None
 
     @torch.inference_mode()
     def _decode_step(self, running: list[_Request]) -> Sampled:

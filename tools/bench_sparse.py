@@ -70,13 +70,18 @@ def measure(context: int, args) -> dict:
 
 
 def prefilled_sequence(engine, context: int, new_tokens: int):
-    """A random prompt admitted and prefilled through the model, its first token sampled."""
+    """A random prompt admitted and prefilled through the model, chunk by chunk, its first token sampled."""
     prompt = torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(context)).tolist()
     request = engine.make_request(0, prompt, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
     engine.cache.admit(request.seq_id, context, new_tokens)
-    event = engine._prefill_step(request)
-    if event is None or event.finish_reason == "error":
-        raise RuntimeError(f"the prefill of {context} tokens did not complete: {event}")
+    event = None
+    with tqdm(total=context, desc=f"prefill {context} tokens", unit="tok") as bar:
+        while event is None:
+            before = request.prefilled
+            event = engine._prefill_step(request)
+            bar.update(request.prefilled - before)
+    if event.finish_reason == "error":
+        raise RuntimeError(f"the prefill of {context} tokens failed: {event.error}")
     return request
 
 
@@ -99,7 +104,7 @@ def synthetic_sequence(engine, context: int, new_tokens: int):
     for layer in range(cfg.num_layers):
         count = context // cfg.rate(layer) if cfg.rate(layer) else 0
         if count:
-            engine.store.write_many(layer, slot, draw(count, cfg.head_dim))
+            engine.store.write_many(layer, slot, draw(count, cfg.head_dim), 0)
         if layer in engine.states.index_keys:
             engine.states.index_keys[layer][slot, :count] = draw(count, cfg.index_head_dim)
     request.prefilled = context

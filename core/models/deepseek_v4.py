@@ -330,8 +330,12 @@ class EntryStore(Protocol):
         """q [B, H, D] of the slots' sequences -> (out [B, H, D], lse [B, H]) over their entries of
         `layer` (every one, or those of selected [B, k], -1 for none)."""
 
-    def write_many(self, layer: int, slot: int, entries: torch.Tensor) -> None:
-        """entries [n, head_dim]: one sequence's next n entries of `layer` (a prompt's)."""
+    def write_many(self, layer: int, slot: int, entries: torch.Tensor, first: int) -> None:
+        """entries [n, head_dim]: one sequence's entries [first, first + n) of `layer` (a prompt's)."""
+
+    def read(self, layer: int, slot: int, count: int) -> torch.Tensor:
+        """[count, head_dim]: a sequence's first `count` entries of `layer`, as written (a later
+        prefill chunk's read of the earlier ones)."""
 
 
 class DenseEntries:
@@ -345,9 +349,15 @@ class DenseEntries:
             held = self.store.get((layer, slot))
             self.store[(layer, slot)] = entry[None] if held is None else torch.cat([held, entry[None]])
 
-    def write_many(self, layer, slot, entries):
+    def write_many(self, layer, slot, entries, first):
         held = self.store.get((layer, slot))
+        written = 0 if held is None else held.shape[0]
+        if first != written:
+            raise ValueError(f"entries of layer {layer} continue at {written}, not {first}")
         self.store[(layer, slot)] = entries if held is None else torch.cat([held, entries])
+
+    def read(self, layer, slot, count):
+        return self.store[(layer, slot)][:count]
 
     def attend(self, layer, slots, q, scale, selected):
         outs, lses = [], []
@@ -680,41 +690,61 @@ class DeepseekV4Forward:
 
     # ------------------------------------------------------------------ prefill
     @torch.inference_mode()
-    def prefill(self, token_ids, slot: int):
-        """token_ids [T] of a new sequence (its state reset) -> the last token's logits [1, vocab]; its
-        windows, open compressor windows, entries and indexer keys written."""
+    def prefill(self, token_ids, slot: int, start: int = 0, prompt_tokens: int | None = None):
+        """token_ids [T]: a prompt's tokens [start, start + T) -> the last one's logits [1, vocab]; the
+        sliding windows, open compressor windows, entries and indexer keys written. start 0: a new
+        sequence (its state reset); else a later chunk of the same prompt, starting on a window of
+        every compressor (start a multiple of each rate), which attends what the earlier chunks wrote:
+        its sliding windows' earlier tokens from the rings, the earlier entries read back.
+        prompt_tokens: the whole prompt's length (default: up to this chunk's end)."""
         model, cfg = self.model, self.cfg
-        self.states.reset(slot)
-        positions = torch.arange(token_ids.shape[0], device=model.device)
+        if start == 0:
+            self.states.reset(slot)
+        elif any(start % rate for rate in map(cfg.rate, range(cfg.num_layers)) if rate):
+            raise ValueError(f"a prefill chunk must start on a compressor window (a multiple of "
+                             f"{sorted({cfg.csa_rate, cfg.hca_rate})}), got {start}")
+        positions = torch.arange(start, start + token_ids.shape[0], device=model.device)
         rotations = model.rotations(positions)
         streams = model.embed(token_ids)
         for layer in range(cfg.num_layers):
             x, q_residual, q, kv, post, comb = model.attention_inputs(layer, streams, rotations)
-            self._prefill_ring(layer, kv, slot)
-            entries, keys = self._prefill_compress(layer, x, slot) if cfg.rate(layer) else (None, None)
-            attention = self._prefill_attention(layer, x, q_residual, q, kv, entries, keys, rotations)
+            window_kv = torch.cat([self._ring_before(layer, slot, start), kv])  # the chunk's and before it
+            self._prefill_ring(layer, kv, slot, start)
+            entries, keys = self._prefill_compress(layer, x, slot, start) if cfg.rate(layer) else (None, None)
+            attention = self._prefill_attention(layer, x, q_residual, q, window_kv, entries, keys, rotations, start,
+                                                prompt_tokens or start + token_ids.shape[0])
             streams = model.attention_output(layer, attention, streams, post, comb, rotations)
             streams = model.ffn_block(layer, streams, token_ids)
         return model.logits(streams[-1:])
 
-    def _prefill_ring(self, layer, kv, slot):
+    def _ring_before(self, layer, slot, start):
+        """[earlier, head_dim]: the tokens before `start` a chunk's first query still sees (window - 1)."""
+        window = self.cfg.sliding_window
+        earlier = torch.arange(max(0, start - window + 1), start, device=self.states.ring.device)
+        return self.states.ring[layer, slot, earlier % window]
+
+    def _prefill_ring(self, layer, kv, slot, start):
         window = self.cfg.sliding_window
         last = torch.arange(max(0, kv.shape[0] - window), kv.shape[0], device=kv.device)
-        self.states.ring[layer, slot, last % window] = kv[last]
+        self.states.ring[layer, slot, (start + last) % window] = kv[last]
 
-    def _prefill_compress(self, layer, x, slot):
-        """The prompt's closed windows pooled into entries (written to the store) and indexer keys; its
-        last, open window left in the pools. -> (entries [n, head_dim], index keys [n, index_head_dim] or None)."""
-        entries = self._prefill_pool(layer, self.states.pools[layer], x, slot, False)
-        if entries.shape[0]:
-            self.store.write_many(layer, slot, entries)
+    def _prefill_compress(self, layer, x, slot, start):
+        """The chunk's closed windows pooled into entries (written to the store) and indexer keys; its
+        last, open window left in the pools. -> (every entry of the sequence so far [n, head_dim], its
+        indexer keys [n, index_head_dim] float32 or None)."""
+        first = start // self.cfg.rate(layer)  # the chunk's first entry
+        new = self._prefill_pool(layer, self.states.pools[layer], x, slot, False, start)
+        if new.shape[0]:
+            self.store.write_many(layer, slot, new, first)
+        entries = torch.cat([self.store.read(layer, slot, first).to(new.dtype), new]) if first else new
         if layer not in self.states.index_pools:
             return entries, None
-        keys = self._prefill_pool(layer, self.states.index_pools[layer], x, slot, True)
-        self.states.index_keys[layer][slot, : keys.shape[0]] = keys
-        return entries, keys
+        keys = self.states.index_keys[layer][slot]
+        new_keys = self._prefill_pool(layer, self.states.index_pools[layer], x, slot, True, start)
+        keys[first: first + new_keys.shape[0]] = new_keys
+        return entries, keys[: entries.shape[0]]
 
-    def _prefill_pool(self, layer, pool, x, slot, indexer):
+    def _prefill_pool(self, layer, pool, x, slot, indexer, start):
         tokens, rate = x.shape[0], pool.rate
         kv, gate = self.model.compressor_inputs(layer, x, torch.arange(tokens, device=x.device) % rate, indexer)
         closed = tokens // rate * rate
@@ -732,41 +762,49 @@ class DeepseekV4Forward:
         if pool.overlap:
             pool.prev_kv[slot] = window_kv[0, -1, :, : pool.dim]
             pool.prev_gate[slot] = window_gate[0, -1, :, : pool.dim]
-        starts = torch.arange(windows, device=x.device) * rate
+        starts = start + torch.arange(windows, device=x.device) * rate
         return self.model.pool(layer, pooled_kv[0], pooled_gate[0], starts, indexer)
 
-    def _prefill_attention(self, layer, x, q_residual, q, kv, entries, keys, rotations):
-        """Every prompt query over its sliding window and the entries it may see (HCA: every closed
-        window before it; CSA: the indexer's top-k of those, gathered), a chunk of queries at a time."""
+    def _prefill_attention(self, layer, x, q_residual, q, window_kv, entries, keys, rotations, start, prompt_tokens):
+        """Every query of the chunk over its sliding window (window_kv: the chunk's tokens and the ones
+        before it they see) and the entries it may see (HCA: every closed window before it; CSA: the
+        indexer's top-k of those, gathered), a part of the queries at a time."""
         cfg, window, tokens = self.cfg, self.cfg.sliding_window, q.shape[0]
+        earlier = window_kv.shape[0] - tokens  # window_kv[j] is position start - earlier + j
         count = 0 if entries is None else entries.shape[0]
         out = torch.empty(tokens, cfg.num_q_heads, cfg.head_dim, dtype=torch.float32, device=q.device)
-        chunk = _query_chunk(cfg, window + (min(count, cfg.index_topk) if keys is not None else count))
-        for first in range(0, tokens, chunk):
-            last = min(first + chunk, tokens)
-            query_pos = torch.arange(first, last, device=q.device)
-            key_first = max(0, first - window + 1)
-            key_pos = torch.arange(key_first, last, device=q.device)
+        part_size = _query_chunk(cfg, window + (min(count, cfg.index_topk) if keys is not None else count))
+        for first in range(0, tokens, part_size):
+            last = min(first + part_size, tokens)
+            query_pos = torch.arange(start + first, start + last, device=q.device)
+            key_first = max(0, earlier + first - window + 1)  # in window_kv
+            key_pos = start - earlier + torch.arange(key_first, earlier + last, device=q.device)
             distance = query_pos[:, None] - key_pos[None, :]
             bias = _mask_bias((distance >= 0) & (distance < window))
-            partial = attention_with_lse(q[first:last], kv[key_first:last], cfg.attention_scale, bias)
+            partial = attention_with_lse(q[first:last], window_kv[key_first:earlier + last], cfg.attention_scale,
+                                         bias)
             if count:
                 visible = torch.arange(count, device=q.device)[None, :] < ((query_pos + 1) // cfg.rate(layer))[:, None]
                 if keys is None:
                     part = attention_with_lse(q[first:last], entries, cfg.attention_scale, _mask_bias(visible))
                 else:
                     part = self._selected_attention(layer, x[first:last], q_residual[first:last], q[first:last],
-                                                    rotations["compress"][query_pos], entries, keys, visible)
+                                                    rotations["compress"][first:last], entries, keys, visible,
+                                                    max(prompt_tokens // cfg.rate(layer), count))
                 partial = merge_two(partial, part)
             out[first:last] = with_sinks(*partial, self.model.sinks(layer))
         return out
 
-    def _selected_attention(self, layer, x, q_residual, q, rotation, entries, keys, visible):
-        """CSA: each query over the indexer's top-k of the entries it may see, gathered -> (out, lse)."""
+    def _selected_attention(self, layer, x, q_residual, q, rotation, entries, keys, visible, prompt_entries):
+        """CSA: each query over the indexer's top-k of the entries it may see, gathered -> (out, lse). The
+        scores are laid over the whole prompt's entries (prompt_entries; the later chunks' at -inf), so
+        that a chunk's top-k breaks ties as the whole prompt's does (ReLU scores tie at 0 often)."""
+        count = entries.shape[0]
         scores = self.model.index_scores(layer, x, q_residual, rotation, keys[None])
-        scores = scores.masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(self.cfg.index_topk, entries.shape[0]), dim=-1).indices  # [chunk, k]
-        chosen = visible.gather(1, top)
+        scores = F.pad(scores.masked_fill(~visible, float("-inf")), (0, prompt_entries - count), value=float("-inf"))
+        top = scores.topk(min(self.cfg.index_topk, prompt_entries), dim=-1).indices  # [chunk, k]
+        chosen = F.pad(visible, (0, prompt_entries - count)).gather(1, top)
+        top = torch.where(chosen, top, 0)
         gathered = entries.index_select(0, top.flatten()).view(*top.shape, entries.shape[-1])  # [chunk, k, dim]
         return attention_with_lse(q, gathered, self.cfg.attention_scale, _mask_bias(chosen))
 

@@ -95,6 +95,20 @@ def test_the_model_alone_gives_transformers_logits(checkpoint):
             torch.testing.assert_close(mine, theirs.float(), **LOGITS)
 
 
+def test_a_prompt_prefilled_in_chunks_gives_the_whole_prompts_logits(checkpoint):
+    """Chunks of 16 tokens (whole compressor windows), each attending the earlier chunks' sliding
+    tokens and entries: the last token's logits as transformers' after the whole prompt."""
+    path, prompts, expected = checkpoint
+    model = our_model(path)
+    for prompt, (_, logits) in zip(prompts, expected, strict=True):
+        forward = DeepseekV4Forward(model, SequenceStates(model.config, 1, 256, "cpu", torch.float32), DenseEntries())
+        for start in range(0, len(prompt), 16):
+            last = forward.prefill(torch.tensor(prompt[start:start + 16]), 0, start, len(prompt))[0]
+        torch.testing.assert_close(last, logits[0].float(), **LOGITS)
+    with pytest.raises(ValueError, match="must start on a compressor window"):
+        forward.prefill(torch.tensor(prompts[0][:8]), 0, 6)
+
+
 def test_compressed_entries_and_the_selection_change_the_logits(checkpoint):
     """The parity above is not vacuous: without the HCA entries, or with every CSA entry instead of the
     indexer's top-k, the first token's logits move by far more than the tolerance."""
@@ -121,14 +135,22 @@ def device(request):
     return request.param
 
 
+# Whole prompts in one turn, or chunks of 32 tokens (HCA's rate 16 x block 2: whole entry blocks),
+# each attending the entries the earlier ones wrote, read back from their regions.
+PREFILL_CHUNKS = {"whole": 4096, "chunked": 32}
+
+
+@pytest.mark.parametrize("prefill", list(PREFILL_CHUNKS))
 @pytest.mark.parametrize("policy", POLICY_NAMES)
-def test_engine_gives_transformers_tokens_under_every_policy(checkpoint, policy, device, tmp_path, monkeypatch):
+def test_engine_gives_transformers_tokens_under_every_policy(checkpoint, policy, prefill, device, tmp_path,
+                                                             monkeypatch):
     """Both prompts decode in one batch, at different positions; each entry cache's window flushes to
     the regions the policy routes to, and the CSA selection is attended from every place it lies."""
     monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
     path, prompts, expected = checkpoint
     engine = Engine.from_pretrained(path, policy=policy, dtype="float32", window_tokens=4, block_size=2,
-                                    max_batch_size=2, max_seq_len=256, device=device)
+                                    max_batch_size=2, max_seq_len=256, device=device,
+                                    prefill_chunk_tokens=PREFILL_CHUNKS[prefill])
     regions = {kind: set() for kind in engine.cache.caches}
     try:
         outputs = []
@@ -169,6 +191,28 @@ def test_the_gathered_device_path_gives_the_same_tokens(checkpoint, policy, tmp_
         engine.shutdown()
     assert [o.token_ids for o in outputs] == [tokens for tokens, _ in expected]
     assert gathered_s > 0
+
+
+def test_a_running_stream_gets_tokens_while_another_prompt_is_prefilled(checkpoint, tmp_path, monkeypatch):
+    """Chunks of 32 tokens: the 93-token prompt takes three turns of the loop, and the stream already
+    running gets a token at each of them, not only after that prefill."""
+    monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
+    path, prompts, expected = checkpoint
+    engine = Engine.from_pretrained(path, policy="fixed_half", dtype="float32", window_tokens=4, block_size=2,
+                                    max_batch_size=2, max_seq_len=256, prefill_chunk_tokens=32)
+    short = prompts[0][:40]
+    try:
+        events = [(e.index, e.token_id) for e in engine.generate_stream([short, prompts[1]], max_new_tokens=NEW_TOKENS)]
+    finally:
+        engine.shutdown()
+    long_first = next(i for i, (index, _) in enumerate(events) if index == 1)
+    assert sum(index == 0 for index, _ in events[:long_first]) >= 3
+    assert [token for index, token in events if index == 1] == expected[1][0]
+
+
+def test_a_chunk_size_off_the_entry_blocks_is_refused(checkpoint):
+    with pytest.raises(ValueError, match="prefill_chunk_tokens must be a positive multiple of 32"):
+        Engine.from_pretrained(checkpoint[0], window_tokens=4, block_size=2, max_seq_len=256, prefill_chunk_tokens=48)
 
 
 def test_preset_generates_the_same_tokens_at_any_batch(tmp_path, monkeypatch):
