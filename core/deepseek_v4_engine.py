@@ -192,8 +192,10 @@ class _EntryStep:
     seq_ids: tuple
     views: dict
     closes: dict  # layer type -> [B] bool: the sequences whose window closes this step
+    window_tokens: dict  # layer type -> entries in the batch's windows this step (counted on the host)
     blocks: dict  # layer type -> (codes [B, n], physical [B, n], shard [B, n], placed entries [B]) on the host
-    layers: list = dataclasses.field(default_factory=list)  # per attended layer: (cpu, its s, device, its s, span)
+    # per attended layer: (CPU tokens, CPU s, device tokens, device clock marker, span), for Engine._account
+    layers: list = dataclasses.field(default_factory=list)
 
 
 class SplitEntries:
@@ -257,16 +259,17 @@ class SplitEntries:
         return ops.merge([(cpu.out.to(device.out.device), cpu.lse.to(device.out.device)), (device.out, device.lse)])
 
     def _dense(self, kind, index, q, scale):
-        """Every entry: the cache's own split (window + cpu_transfer on the device, cpu_compute on the CPU)."""
+        """Every entry: the cache's own split (window + cpu_transfer on the device, cpu_compute on the CPU).
+        The device's work is launched first (asynchronous beside a GPU), so the CPU kernel runs with it."""
         cache, view = self.caches.caches[kind], self.step.views[kind]
         ships = self.policy.ships_cpu_compute
-        cpu = None if ships else self.cpu_partials[kind].attend(index, q.to("cpu"), view, scale).result()
         cache.start_transfer(index, view)
         started = self.clock.start()
         out, lse = device_side(cache, index, view, q, scale, self.backend, ships_compute=ships)
+        stopped = self.clock.stop(started)
+        cpu = None if ships else self.cpu_partials[kind].attend(index, q.to("cpu"), view, scale).result()
         moved = view.transfer_tokens + (view.compute_tokens if ships else 0)
-        tokens = moved + int(view.window_lens.sum())
-        return cpu, ops.Partial(out, lse, tokens, self.clock.seconds(self.clock.stop(started))), moved
+        return cpu, ops.Partial(out, lse, moved + self.step.window_tokens[kind], stopped), moved
 
     def _sparse(self, kind, index, q, scale, selected):
         """The indexer's selection [B, k] (-1: none), split by where each selected entry lies. The CPU
@@ -294,7 +297,7 @@ class SplitEntries:
             out, lse = self._device_gathered(kind, index, q, scale, selected, placed, token, in_window, on_transfer,
                                              in_compute if ships else None, shard)
         device_tokens = int(in_window.sum()) + int(on_transfer.sum()) + (int(in_compute.sum()) if ships else 0)
-        device = ops.Partial(out, lse, device_tokens, self.clock.seconds(self.clock.stop(started)))
+        device = ops.Partial(out, lse, device_tokens, self.clock.stop(started))
         moved = int(on_transfer.sum()) + (int(in_compute.sum()) if ships else 0)
         if ships or not bool(in_compute.any()):
             return None, device, moved
@@ -509,29 +512,18 @@ class DeepseekV4Engine(Engine):
                           if closes])
         for sequence in sequences:
             sequence.num_tokens += 1
-        self._account(self.store.step, time.perf_counter() - began)
+        self._account(self.store.step.layers, len(running), time.perf_counter() - began)
         return tokens
 
     def _entry_step(self, seq_ids, positions) -> _EntryStep:
         """The step's views of the entry caches: nothing pending in the window but the entries this
         step's closing windows add (window_lens count them: they are attended in the step)."""
-        views, closes, blocks = {}, {}, {}
+        views, closes, window_tokens, blocks = {}, {}, {}, {}
         for kind, cache in self.cache.caches.items():
             closing = (positions + 1) % self.cache.rate(kind) == 0
             view = cache.step_view(seq_ids, pending_tokens=0)
             views[kind] = dataclasses.replace(view, window_lens=view.window_lens + closing.to(view.window_lens))
             closes[kind] = closing
+            window_tokens[kind] = sum(cache.seqs[s].window_len for s in seq_ids) + int(closing.sum())
             blocks[kind] = self.cache.placed.batch(kind, cache, seq_ids)
-        return _EntryStep(seq_ids, views, closes, blocks)
-
-    def _account(self, step: _EntryStep, step_s: float) -> None:
-        attention_s = 0.0
-        for cpu_tokens, cpu_s, device_tokens, device_s, span in step.layers:
-            self.policy.observe_step(cpu_tokens, cpu_s, device_tokens, device_s)
-            attention_s += span
-        self.policy.end_step()
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(step.seq_ids)
-        self.stats["decode_s"] += step_s
-        self.stats["attention_s"] += attention_s
-        self.step_history.append((step_s, attention_s))
+        return _EntryStep(seq_ids, views, closes, window_tokens, blocks)

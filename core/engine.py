@@ -570,18 +570,20 @@ class Engine:
         with _torch_threads(self.decode_threads):
             values = self.executor.run(self.graph, self._bindings(), step)
         tokens = self._sample(running, values["logits"])  # the host reads the logits: the device work is done
-        self._account(step, time.perf_counter() - began)
+        self._account(step.layers, len(running), time.perf_counter() - began)
         return tokens
 
-    def _account(self, step: _Step, step_s: float) -> None:
-        """Feeds the policy each layer's measured costs (its one feed) and keeps the step's times."""
+    def _account(self, layers: list[tuple], batch: int, step_s: float) -> None:
+        """Feeds the policy each layer's measured costs (its one feed) and keeps the step's times.
+        layers: per layer (CPU tokens, CPU seconds, device tokens, the device clock's stop marker,
+        the layer's attention span), the markers read here, once the step's logits are on the host."""
         attention_s = 0.0
-        for cpu_tokens, cpu_s, device_tokens, device_clock, layer_attention_s in step.layers:
+        for cpu_tokens, cpu_s, device_tokens, device_clock, layer_attention_s in layers:
             self.policy.observe_step(cpu_tokens, cpu_s, device_tokens, self._clock.seconds(device_clock))
             attention_s += layer_attention_s
         self.policy.end_step()
         self.stats["steps"] += 1
-        self.stats["tokens"] += len(step.requests)
+        self.stats["tokens"] += batch
         self.stats["decode_s"] += step_s
         self.stats["attention_s"] += attention_s
         self.step_history.append((step_s, attention_s))

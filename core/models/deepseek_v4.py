@@ -22,14 +22,13 @@ What sets it apart from the other three architectures, and where each part lives
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from writescope import ops
 from writescope.models.config import RopeConfig
 from writescope.models.layers import apply_rope_interleaved, rope_frequencies
 
@@ -171,14 +170,6 @@ def _rope_configs(data: dict) -> tuple[RopeConfig, RopeConfig]:
             RopeConfig.from_hf({**limits, "rope_parameters": compress}))
 
 
-def is_deepseek_v4(path: str) -> bool:
-    config = os.path.join(path, "config.json")
-    if not os.path.isfile(config):
-        return False
-    with open(config) as f:
-        return json.load(f).get("model_type") == ARCH
-
-
 # ---------------------------------------------------------------------------------------------- names
 _PREFIX_RENAMES = {"embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
                    "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
@@ -278,10 +269,10 @@ def hyper_weights(streams, fn, base, scale, iters: int, eps: float, norm_eps: fl
     return pre, post, comb
 
 
-def rope_rotation(positions, rope: RopeConfig, rope_head_dim: int, device):
-    """positions [T] -> the interleaved rotation [T, 1, rope_head_dim / 2] (complex)."""
-    inv_freq, factor = rope_frequencies(rope_head_dim, rope)
-    freqs = positions[:, None].float() * inv_freq.to(device)[None, :]
+def rope_rotation(positions, inv_freq, factor: float):
+    """positions [T], a rope's inverse frequencies [rope_head_dim / 2] and attention factor -> the
+    interleaved rotation [T, 1, rope_head_dim / 2] (complex)."""
+    freqs = positions[:, None].float() * inv_freq[None, :]
     return (torch.polar(torch.ones_like(freqs), freqs) * factor)[:, None, :]
 
 
@@ -308,15 +299,6 @@ def attention_with_lse(q, k, scale, bias=None):
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
     return torch.einsum(f"ths,{keys}->thd", probs, k32), lse
-
-
-def merge_two(a, b):
-    """Two (out, lse) partials of disjoint KV -> their union's (the same LSE merge as ops.merge, for
-    small torch tensors on any device)."""
-    lse = torch.logaddexp(a[1], b[1])
-    safe = torch.where(torch.isinf(lse), 0.0, lse)
-    wa, wb = torch.exp(a[1] - safe), torch.exp(b[1] - safe)
-    return a[0] * wa[..., None] + b[0] * wb[..., None], lse
 
 
 class EntryStore(Protocol):
@@ -453,6 +435,10 @@ class DeepseekV4Model:
         self.device = torch.device(device)
         self.w = {canonical_name(n): t.to(self.device) for n, t in weights.items()}
         self.dtype = self.w["embed.weight"].dtype
+        # each rope's (inverse frequencies on the device, attention factor), made once
+        self.frequencies = {name: (inv_freq.to(self.device), factor) for name, (inv_freq, factor) in (
+            ("main", rope_frequencies(config.rope_head_dim, config.main_rope)),
+            ("compress", rope_frequencies(config.rope_head_dim, config.compress_rope)))}
         for layer in range(config.num_layers):
             for name in self._expert_names(layer):
                 gate, up = self.w.pop(name + "w1.weight"), self.w.pop(name + "w3.weight")
@@ -482,9 +468,7 @@ class DeepseekV4Model:
 
     def rotations(self, positions):
         """positions [T] -> {"main", "compress"}: the rope rotations every layer of a step shares."""
-        cfg = self.config
-        return {"main": rope_rotation(positions, cfg.main_rope, cfg.rope_head_dim, self.device),
-                "compress": rope_rotation(positions, cfg.compress_rope, cfg.rope_head_dim, self.device)}
+        return {name: rope_rotation(positions, *frequencies) for name, frequencies in self.frequencies.items()}
 
     # ------------------------------------------------------------------ hyper-connections
     def _collapse(self, layer, block, streams):
@@ -548,7 +532,7 @@ class DeepseekV4Model:
         p = f"layers.{layer}.attn." + ("indexer.compressor." if indexer else "compressor.")
         pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
         pooled = rms_norm_fp32_weight(pooled, self.w[p + "norm.weight"], self.config.rms_norm_eps)
-        rotation = rope_rotation(starts, self.config.compress_rope, self.config.rope_head_dim, self.device)
+        rotation = rope_rotation(starts, *self.frequencies["compress"])
         return apply_trailing_rope(pooled[:, None, :], rotation)[:, 0]
 
     def index_scores(self, layer, x, q_residual, rotation, keys):
@@ -644,7 +628,7 @@ class DeepseekV4Forward:
         partial = attention_with_lse(q, ring[slots], cfg.attention_scale, bias)
         if cfg.rate(layer):
             selected = self.decode_compress(layer, x, q_residual, positions, slots, rotations)
-            partial = merge_two(partial, self.store.attend(layer, slots, q, cfg.attention_scale, selected))
+            partial = ops.merge([partial, self.store.attend(layer, slots, q, cfg.attention_scale, selected)])
         return with_sinks(*partial, self.model.sinks(layer))
 
     def decode_compress(self, layer, x, q_residual, positions, slots, rotations):
@@ -791,7 +775,7 @@ class DeepseekV4Forward:
                     part = self._selected_attention(layer, x[first:last], q_residual[first:last], q[first:last],
                                                     rotations["compress"][first:last], entries, keys, visible,
                                                     max(prompt_tokens // cfg.rate(layer), count))
-                partial = merge_two(partial, part)
+                partial = ops.merge([partial, part])
             out[first:last] = with_sinks(*partial, self.model.sinks(layer))
         return out
 

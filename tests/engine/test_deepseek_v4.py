@@ -9,7 +9,6 @@ host regions and the indexer selects from every region.
 """
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -122,17 +121,6 @@ def test_compressed_entries_and_the_selection_change_the_logits(checkpoint):
         logits = forward.prefill(torch.tensor(prompts[1]), 0)[0]
         assert float((logits - expected[1][1][0]).abs().max()) > 1e-2
         model = our_model(path)
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    """The engine's device: the CPU here; on a CUDA machine the sliding windows, the indexer, the entry
-    windows and the device partials (Triton) on the GPU, cpu_transfer pinned."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if request.param == "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: Triton runs interpreted on CPU tensors only")
-    return request.param
 
 
 # Whole prompts in one turn, or chunks of 32 tokens (HCA's rate 16 x block 2: whole entry blocks),

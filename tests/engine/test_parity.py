@@ -6,7 +6,6 @@ the KV land in the CPU regions and the window flush twice per sequence; every po
 chunked prefill, must give the tokens of transformers' greedy generate.
 """
 
-import os
 
 import pytest
 import torch
@@ -65,17 +64,6 @@ def checkpoint(request, tmp_path_factory):
                                  output_logits=True, return_dict_in_generate=True)
             expected.append((out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]))
     return str(path), prompts, expected
-
-
-@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def device(request):
-    """The engine's device: the CPU here; on a CUDA machine the same tests run with the window and
-    ping-pong on the GPU, pinned cpu_transfer and Triton device partials."""
-    if request.param == "cuda" and not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    if request.param == "cuda" and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        pytest.skip("TRITON_INTERPRET is set: Triton runs interpreted on CPU tensors only")
-    return request.param
 
 
 # Whole prompts in one turn, or 64-token chunks: each chunk attends to the KV the earlier ones wrote
