@@ -33,7 +33,8 @@ from writescope.kv_regions import Segment, segment_name
 
 log = logging.getLogger(__name__)
 
-REQUEST = struct.Struct("<QIIId")  # request id, layer, num_seqs, table width, scale
+REQUEST = struct.Struct("<QIIIIId")  # request id, region, layer, num_seqs, table width, unit, scale
+BLOCKS, TOKENS = 0, 1  # what a request's table indexes in its region: blocks, or single tokens (a selection)
 REPLY = struct.Struct("<QdI")  # request id, kernel seconds, length of the error message that follows (0: ok)
 _ALIGN = 64
 
@@ -47,7 +48,7 @@ class ChannelSpec:
     fd: int
     socket_address: str  # an abstract Unix socket name (leading NUL byte)
     max_seqs: int
-    max_blocks: int  # table width: blocks of one sequence in this shard
+    max_blocks: int  # table width: blocks of one sequence in a shard (or, a selection, the tokens it chooses)
     num_q_heads: int
     head_dim_qk: int
     head_dim_v: int
@@ -110,16 +111,18 @@ def _receive_exact(sock: socket.socket, size: int) -> bytes:
 
 
 class PartialServer:
-    """The CPU worker's side: a thread that answers partial requests over its shard.
+    """The CPU worker's side: a thread that answers partial requests over its shards (one region per
+    KV cache of the engine: one for most models, one per compression rate for DeepSeek-V4).
 
-    compute(layer, q, table, lens, scale) -> (out, lse, kernel seconds) runs the kernel; requests are
-    checked against the channel's bounds first, and any failure goes back to the client as an error.
+    compute(region, layer, q, table, lens, scale, unit) -> (out, lse, kernel seconds) runs the kernel;
+    requests are checked against the channel's bounds first (region, layer of that region, sizes,
+    unit), and any failure goes back to the client as an error. region_layers: each region's layers.
     """
 
-    def __init__(self, spec: ChannelSpec, compute, num_layers: int):
+    def __init__(self, spec: ChannelSpec, compute, region_layers: list[int]):
         self.spec = spec
         self._compute = compute
-        self._num_layers = num_layers
+        self._region_layers = list(region_layers)
         self._buffers = _Buffers(spec)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(spec.socket_address)  # free again as soon as a previous life of this worker died
@@ -146,14 +149,15 @@ class PartialServer:
                     continue  # the client went away (a restarted GPU worker reconnects)
 
     def _answer(self, conn, request) -> None:
-        request_id, layer, num_seqs, width, scale = request
+        request_id, region, layer, num_seqs, width, unit, scale = request
         seconds, error = 0.0, ""
         try:
-            self._check(layer, num_seqs, width)
+            self._check(region, layer, num_seqs, width, unit)
             a = self._buffers.arrays
             table = a["table"][: num_seqs * width].reshape(num_seqs, width)
-            out, lse, seconds = self._compute(layer, torch.from_numpy(a["q"][:num_seqs]), torch.from_numpy(table),
-                                              torch.from_numpy(a["lens"][:num_seqs]), scale)
+            out, lse, seconds = self._compute(region, layer, torch.from_numpy(a["q"][:num_seqs]),
+                                              torch.from_numpy(table), torch.from_numpy(a["lens"][:num_seqs]), scale,
+                                              unit)
             a["out"][:num_seqs] = out.numpy()
             a["lse"][:num_seqs] = lse.numpy()
         except Exception as exc:  # noqa: BLE001 - every failure is the client's to raise
@@ -161,14 +165,19 @@ class PartialServer:
         message = error.encode()
         conn.sendall(REPLY.pack(request_id, seconds, len(message)) + message)
 
-    def _check(self, layer: int, num_seqs: int, width: int) -> None:
+    def _check(self, region: int, layer: int, num_seqs: int, width: int, unit: int) -> None:
         spec = self.spec
-        if not 0 <= layer < self._num_layers:
-            raise ValueError(f"layer {layer} is outside [0, {self._num_layers})")
+        if not 0 <= region < len(self._region_layers):
+            raise ValueError(f"region {region} is outside [0, {len(self._region_layers)}): this worker serves "
+                             f"{len(self._region_layers)} shard region(s)")
+        if not 0 <= layer < self._region_layers[region]:
+            raise ValueError(f"layer {layer} is outside [0, {self._region_layers[region]}) of region {region}")
+        if unit not in (BLOCKS, TOKENS):
+            raise ValueError(f"table unit {unit} is neither {BLOCKS} (blocks) nor {TOKENS} (tokens)")
         if not 0 < num_seqs <= spec.max_seqs:
             raise ValueError(f"num_seqs {num_seqs} is outside [1, {spec.max_seqs}]")
         if not 0 < width <= spec.max_blocks:
-            raise ValueError(f"block table width {width} is outside [1, {spec.max_blocks}]")
+            raise ValueError(f"table width {width} is outside [1, {spec.max_blocks}]")
 
     def serving(self) -> bool:
         return self._thread.is_alive()
@@ -196,8 +205,9 @@ class PartialClient:
         self._request = None  # (header, q, table, lens) of the request in flight, for a resend
 
     def send(self, layer: int, q: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-             scale: float) -> None:
-        """q [num_seqs, num_q_heads, head_dim_qk]; block_table [num_seqs, width] int32; seq_lens [num_seqs] int32."""
+             scale: float, *, region: int = 0, unit: int = BLOCKS) -> None:
+        """q [num_seqs, num_q_heads, head_dim_qk]; block_table [num_seqs, width] int32 (blocks of the
+        worker's region `region`, or with unit TOKENS its tokens); seq_lens [num_seqs] int32."""
         num_seqs, width = block_table.shape
         spec = self.spec
         if tuple(q.shape) != (num_seqs, spec.num_q_heads, spec.head_dim_qk):
@@ -207,7 +217,7 @@ class PartialClient:
             raise ValueError(f"a table of {num_seqs} x {width} does not fit the channel's "
                              f"{spec.max_seqs} x {spec.max_blocks}")
         self._next_id += 1
-        header = REQUEST.pack(self._next_id, layer, num_seqs, width, scale)
+        header = REQUEST.pack(self._next_id, region, layer, num_seqs, width, unit, scale)
         self._request = (header, q.float().numpy(), block_table.numpy(), seq_lens.numpy())
         try:
             self._transmit()
@@ -226,7 +236,7 @@ class PartialClient:
     def receive(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(out [num_seqs, num_q_heads, head_dim_v], lse [num_seqs, num_q_heads], kernel seconds)."""
         header = self._request[0]
-        request_id, _, num_seqs, _, _ = REQUEST.unpack(header)
+        request_id, _, _, num_seqs, _, _, _ = REQUEST.unpack(header)
         deadline = time.monotonic() + self.reconnect_timeout_s
         while True:
             try:

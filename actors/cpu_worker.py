@@ -20,7 +20,9 @@ from writescope.topology import NumaNode
 
 @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=-1)
 class CPUWorker:
-    def __init__(self, node: NumaNode, shard_handle: bytes, channel):
+    def __init__(self, node: NumaNode, shard_handles: list[bytes], channel):
+        """shard_handles: this node's cpu_compute shard of each of the engine's KV caches (one, or one
+        per compression rate for DeepSeek-V4); a request names its region by index in this list."""
         # Imported here, in the worker: Ray pickles this class by value, and its globals with it.
         from writescope.actors.channel import PartialServer
         from writescope.kv_regions import HostRegion
@@ -28,17 +30,22 @@ class CPUWorker:
 
         pin_process(node.cpus)  # the threads Ray started before us and the kernel's pool
         self.node = node
-        self.region = HostRegion.attach(shard_handle)  # its segments bound to the node as the cache commits them
-        self.server = PartialServer(channel, self._partial, num_layers=self.region.handle.format.num_layers)
+        # their segments bound to the node as the cache commits them
+        self.regions = [HostRegion.attach(handle) for handle in shard_handles]
+        self.server = PartialServer(channel, self._partial,
+                                    region_layers=[r.handle.format.num_layers for r in self.regions])
 
-    def _partial(self, layer, q, block_table, seq_lens, scale):
-        """q [num_seqs, num_q_heads, head_dim_qk] float32 -> (out [num_seqs, num_q_heads, head_dim_v], lse,
-        the kernel's own seconds)."""
+    def _partial(self, region, layer, q, table, seq_lens, scale, unit):
+        """q [num_seqs, num_q_heads, head_dim_qk] float32; table: blocks of the region, or (unit TOKENS)
+        tokens of it -> (out [num_seqs, num_q_heads, head_dim_v], lse, the kernel's own seconds)."""
         from writescope import ops
-        from writescope.inplace_kv_cache import compute_source
+        from writescope.actors.channel import TOKENS
+        from writescope.inplace_kv_cache import compute_source, selected_source
 
+        shard = self.regions[region]
+        source = (selected_source if unit == TOKENS else compute_source)(shard, layer, table, seq_lens)
         # the channel checked the request's bounds; the C++ launcher checks every block id before a read
-        return ops.cpu_paged_attention_timed(q, compute_source(self.region, layer, block_table, seq_lens), scale)
+        return ops.cpu_paged_attention_timed(q, source, scale)
 
     def thread_affinities(self) -> dict[int, list[int]]:
         """CPU sets of every thread of this process, read by thread id (for checks from outside)."""
@@ -48,15 +55,16 @@ class CPUWorker:
         """The NUMA node of each page of this worker's shard (for checks from outside)."""
         from writescope.numa_memory import page_nodes
 
-        return page_nodes(self.region.address, self.region.size_bytes)
+        return [node for r in self.regions for node in page_nodes(r.address, r.size_bytes)]
 
     def pid(self) -> int:
         return os.getpid()
 
     def check_health(self) -> bool:
         """The shard is mapped and the channel's thread is serving."""
-        return self.region.attached and self.server.serving()
+        return all(r.attached for r in self.regions) and self.server.serving()
 
     def shutdown(self) -> None:
         self.server.close()
-        self.region.close()
+        for region in self.regions:
+            region.close()

@@ -27,7 +27,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from writescope.config import EngineConfig
+from writescope.deepseek_v4_engine import entry_cache_configs
 from writescope.loading import engine_cache_config, load_model_config
+from writescope.models.deepseek_v4 import ARCH as DEEPSEEK_V4
 from writescope.topology import NumaNode, emulated_topology, topology
 
 log = logging.getLogger(__name__)
@@ -82,32 +84,43 @@ class EngineGroup:
             remove_placement_group(self.placement_group)
 
 
+MAIN_CACHE = "kv"  # the name of the one KV cache of an engine over the MoE models
+
+
 @dataclass(frozen=True)
 class EngineSite:
     """What an engine's node gives it, read on that node."""
 
     nodes: list[NumaNode]
-    cache_config: object  # inplace_kv_cache.CacheConfig, sized under the node's host limit
-    model_config: object  # models.ModelConfig
+    # name -> inplace_kv_cache.CacheConfig, sized under the node's host limit: {MAIN_CACHE: ...}, or
+    # DeepSeek-V4's entry caches by layer type
+    cache_configs: dict
+    model_config: object  # models.ModelConfig or models.deepseek_v4.DeepseekV4Config
+
+    @property
+    def deepseek_v4(self) -> bool:
+        return MAIN_CACHE not in self.cache_configs
 
 
 def size_engine(config: EngineConfig, nodes: list[NumaNode] | None = None) -> EngineSite:
     """The NUMA nodes (config.emulated_nodes emulated ones, else this machine's; or `nodes`) and the
-    cache sized for them and this machine's memory, for the engine of `config`."""
+    caches sized for them and this machine's memory, for the engine of `config`."""
     if nodes is None:
         nodes = emulated_topology(config.emulated_nodes) if config.emulated_nodes else topology()
     if config.num_shards not in (None, len(nodes)):
         raise ValueError(f"num_shards={config.num_shards} for {len(nodes)} NUMA nodes: one shard per node")
     model_config, torch_dtype = load_model_config(config.model, config.dtype)
-    cache_config = engine_cache_config(model_config, torch_dtype, block_size=config.block_size,
-                                       max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
-                                       num_shards=len(nodes), window_tokens=config.window_tokens,
-                                       pingpong_blocks=config.pingpong_blocks, device=config.device)
     limit = None if config.max_host_kv_gb is None else int(config.max_host_kv_gb * 2**30)
-    cache_config = dataclasses.replace(cache_config.with_host_limit(limit),
-                                       shard_nodes=None if any(n.emulated for n in nodes) else
-                                       tuple(n.index for n in nodes))
-    return EngineSite(nodes, cache_config, model_config)
+    sizes = dict(block_size=config.block_size, max_batch_size=config.max_batch_size, max_seq_len=config.max_seq_len,
+                 num_shards=len(nodes), window_tokens=config.window_tokens, pingpong_blocks=config.pingpong_blocks,
+                 device=config.device)
+    if model_config.arch == DEEPSEEK_V4:
+        configs = entry_cache_configs(model_config, torch_dtype, max_host_kv_bytes=limit, **sizes)
+    else:
+        configs = {MAIN_CACHE: engine_cache_config(model_config, torch_dtype, **sizes).with_host_limit(limit)}
+    shard_nodes = None if any(n.emulated for n in nodes) else tuple(n.index for n in nodes)
+    return EngineSite(nodes, {name: dataclasses.replace(c, shard_nodes=shard_nodes) for name, c in configs.items()},
+                      model_config)
 
 
 def engine_site(group: EngineGroup, config: EngineConfig, nodes: list[NumaNode] | None = None) -> EngineSite:

@@ -23,7 +23,7 @@ import time
 import ray
 
 from writescope.config import EngineConfig
-from writescope.engine import GenerationOutput, placement
+from writescope.engine import GenerationOutput
 from writescope.sampling import SamplingParams, call_params
 from writescope.service import EngineService
 
@@ -159,21 +159,9 @@ class GPUWorker:
 
     async def state(self) -> dict:
         """Occupancy, queue and counters, for metrics and progress."""
-        cache = self.engine.cache
-        config = cache.config
-        compute_total = config.compute_blocks_per_shard * config.num_shards
-        compute_used = sum(len(a.allocated) for a in cache.compute_alloc)
-        return {"waiting": self.service.waiting, "running_seqs": len(cache.seqs), **self.service.counters,
-                "cpu_share_now": cache.wanted_share(),
-                "cpu_share_at_32k": self.engine.policy.preview_share(32768),
-                "occupancy": {"cpu_compute": compute_used / max(compute_total, 1),
-                              "cpu_transfer": len(cache.transfer_alloc.allocated) / max(config.transfer_blocks, 1)},
+        return {"waiting": self.service.waiting, "running_seqs": len(self.engine.cache.seqs), **self.service.counters,
                 "steps": self.engine.stats["steps"], "decode_s": self.engine.stats["decode_s"],
-                "prefix_cache": {"registered_blocks": cache.prefix.num_registered,
-                                 "evictable_blocks": cache.prefix.num_evictable,
-                                 "queried_tokens": cache.prefix.queried_tokens, "hit_tokens": cache.prefix.hit_tokens,
-                                 "allocated_blocks": cache.allocated_blocks()},
-                **placement(self.engine)}
+                **self.engine.cache_state()}
 
     async def check_integrity(self) -> None:
         self.engine.cache.check_integrity()

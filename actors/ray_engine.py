@@ -27,7 +27,7 @@ import ray
 
 from writescope.actors.channel import ChannelSpec
 from writescope.actors.cpu_worker import CPUWorker
-from writescope.actors.engine_group import EngineGroup, engine_site
+from writescope.actors.engine_group import MAIN_CACHE, EngineGroup, EngineSite, engine_site
 from writescope.actors.gpu_worker import GPUWorker
 from writescope.actors.local_ray import ensure_ray
 from writescope.actors.policy_store import PolicyStore
@@ -98,30 +98,31 @@ class RayEngine:
     def _start(cls, config: EngineConfig, group: EngineGroup, nodes, gpus: int, max_waiting: int) -> RayEngine:
         """The engine's actors in `group`, sized on its node."""
         site = engine_site(group, config, nodes)
-        nodes, cache_config, model_config = site.nodes, site.cache_config, site.model_config
+        nodes, model_config = site.nodes, site.model_config
         config = config.replace(num_shards=len(nodes))
-        log.info("%s (node %s)", cache_config.capacity_line(), group.node_id)
+        for name, cache_config in site.cache_configs.items():
+            log.info("%s%s (node %s)", "" if name == MAIN_CACHE else f"{name} entries: ", cache_config.capacity_line(),
+                     group.node_id)
         engine_id = secrets.token_hex(4)
-        fmt = cache_config.format
-        specs = [ChannelSpec(shm_name="named by the owner", owner_pid=0, fd=-1,
-                             socket_address=f"\0writescope-{engine_id}-cpu{i}", max_seqs=cache_config.max_seqs,
-                             max_blocks=cache_config.compute_blocks_per_shard, num_q_heads=model_config.num_q_heads,
-                             head_dim_qk=fmt.head_dim_k, head_dim_v=fmt.head_dim_v) for i in range(len(nodes))]
+        specs = [_channel_spec(site, f"\0writescope-{engine_id}-cpu{i}") for i in range(len(nodes))]
         named = f"writescope-{engine_id}"  # every actor of the engine is named for it (ray.util.list_named_actors)
         placed = group.options()
-        owner = RegionOwner.options(name=f"{named}-region-owner", **placed).remote(cache_config, specs, engine_id,
-                                                                                 gpus > 0)
+        owner = RegionOwner.options(name=f"{named}-region-owner", **placed).remote(site.cache_configs, specs,
+                                                                                 engine_id, gpus > 0)
         actors = [owner]
         try:
-            compute_handles, transfer_handle = ray.get(owner.handles.remote())
+            handles = ray.get(owner.handles.remote())  # name -> ([cpu_compute per shard], cpu_transfer)
             specs = ray.get(owner.channel_specs.remote())
+            # worker i serves shard i of every cache, in the caches' order (a request names the cache by index)
             cpu_workers = [CPUWorker.options(name=f"{named}-cpu-worker-{i}", **placed).remote(
-                node, compute_handles[i], specs[i]) for i, node in enumerate(nodes)]
+                node, [compute[i] for compute, _ in handles.values()], specs[i]) for i, node in enumerate(nodes)]
             policy_store = PolicyStore.options(name=f"{named}-policy-store", **placed).remote()
             actors += [*cpu_workers, policy_store]
             ray.get([w.check_health.remote() for w in cpu_workers])
+            region_handles, cache_config = (handles, site.cache_configs) if site.deepseek_v4 else (
+                handles[MAIN_CACHE], site.cache_configs[MAIN_CACHE])
             gpu_worker = GPUWorker.options(name=f"{named}-gpu-worker", num_gpus=gpus, num_cpus=0, **placed).remote(
-                config, cache_config, (compute_handles, transfer_handle), specs, policy_store, max_waiting)
+                config, cache_config, region_handles, specs, policy_store, max_waiting)
             actors.append(gpu_worker)
             ray.get(gpu_worker.check_health.remote())
         except BaseException:
@@ -288,6 +289,19 @@ def _stop(actors, owner) -> None:
         ray.get(owner.close.remote(), timeout=30)
     with contextlib.suppress(Exception):
         ray.kill(owner, no_restart=True)
+
+
+def _channel_spec(site: EngineSite, socket_address: str) -> ChannelSpec:
+    """One CPU worker's channel, sized for the largest request of any of the engine's caches: a
+    table of its blocks in a shard, or (DeepSeek-V4) of the tokens a CSA selection chooses."""
+    formats = [c.format for c in site.cache_configs.values()]
+    widest = max(c.compute_blocks_per_shard for c in site.cache_configs.values())
+    if site.deepseek_v4:
+        widest = max(widest, site.model_config.index_topk)
+    return ChannelSpec(shm_name="named by the owner", owner_pid=0, fd=-1, socket_address=socket_address,
+                       max_seqs=max(c.max_seqs for c in site.cache_configs.values()), max_blocks=widest,
+                       num_q_heads=site.model_config.num_q_heads,
+                       head_dim_qk=max(f.head_dim_k for f in formats), head_dim_v=max(f.head_dim_v for f in formats))
 
 
 def _num_prompts(prompts) -> int:

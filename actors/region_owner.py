@@ -18,15 +18,20 @@ import ray
 
 @ray.remote(num_cpus=0)
 class RegionOwner:
-    def __init__(self, cache_config, channel_specs, engine_id: str, pin: bool):
+    def __init__(self, cache_configs: dict, channel_specs, engine_id: str, pin: bool):
+        """cache_configs: name -> CacheConfig of each KV cache of the engine (one for the MoE models,
+        one per compression rate for DeepSeek-V4): the regions made for each."""
         from writescope.actors.channel import create_segment
         from writescope.inplace_kv_cache import create_region
 
-        self.compute = [create_region(cache_config, "cpu_compute", shard=s, pin=False, label=engine_id)
-                        for s in range(cache_config.num_shards)]
-        # pinned segment by segment by the process that commits them where CUDA is present (the GPU
-        # worker's cache); the flag travels in the handle
-        self.transfer = create_region(cache_config, "cpu_transfer", pin=pin, label=engine_id)
+        self.compute: dict[str, list] = {}
+        self.transfer: dict[str, object] = {}
+        for name, config in cache_configs.items():
+            self.compute[name] = [create_region(config, "cpu_compute", shard=s, pin=False, label=engine_id)
+                                  for s in range(config.num_shards)]
+            # pinned segment by segment by the process that commits them where CUDA is present (the GPU
+            # worker's cache); the flag travels in the handle
+            self.transfer[name] = create_region(config, "cpu_transfer", pin=pin, label=engine_id)
         made = [create_segment(spec, f"{engine_id}_channel_{i}") for i, spec in enumerate(channel_specs)]
         self.specs = [spec for spec, _ in made]
         self.channels = [segment for _, segment in made]
@@ -35,12 +40,23 @@ class RegionOwner:
         """The channels' specs, naming the segments made here."""
         return self.specs
 
-    def handles(self) -> tuple[list[bytes], bytes]:
-        """([cpu_compute handle per shard], cpu_transfer handle), msgpack bytes."""
-        return [r.handle.to_bytes() for r in self.compute], self.transfer.handle.to_bytes()
+    def handles(self) -> dict[str, tuple[list[bytes], bytes]]:
+        """Per cache: ([cpu_compute handle per shard], cpu_transfer handle), msgpack bytes."""
+        return {name: ([r.handle.to_bytes() for r in self.compute[name]], self.transfer[name].handle.to_bytes())
+                for name in self.compute}
+
+    def _regions(self) -> dict[str, object]:
+        """Every KV region by its name in memory(): cpu_compute_<shard> and cpu_transfer, prefixed with
+        the cache's name where the engine has more than one cache."""
+        regions = {}
+        for name, shards in self.compute.items():
+            prefix = f"{name}." if len(self.compute) > 1 else ""
+            regions.update({f"{prefix}cpu_compute_{i}": r for i, r in enumerate(shards)})
+            regions[f"{prefix}cpu_transfer"] = self.transfer[name]
+        return regions
 
     def segment_names(self) -> list[str]:
-        return [r.handle.shm_name for r in [*self.compute, self.transfer]] + [c.name for c in self.channels]
+        return [r.handle.shm_name for r in self._regions().values()] + [c.name for c in self.channels]
 
     def pid(self) -> int:
         return os.getpid()
@@ -48,20 +64,19 @@ class RegionOwner:
     def memory(self) -> dict[str, dict[str, int]]:
         """Each KV region: its size (address space) and the bytes of it in memory (the segments the
         cache committed, and any page written outside them)."""
-        regions = {f"cpu_compute_{i}": r for i, r in enumerate(self.compute)} | {"cpu_transfer": self.transfer}
         return {name: {"size_bytes": region.size_bytes, "resident_bytes": region.resident_bytes()}
-                for name, region in regions.items()}
+                for name, region in self._regions().items()}
 
     def check_health(self) -> bool:
         """Every segment's descriptor is still open here (a closed owner can no longer be attached)."""
-        descriptors = [r.handle.fd for r in [*self.compute, self.transfer]] + [c.fd for c in self.channels]
+        descriptors = [r.handle.fd for r in self._regions().values()] + [c.fd for c in self.channels]
         return bool(descriptors) and all(fd >= 0 and os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:writescope")
                                          for fd in descriptors)
 
     def close(self) -> None:
         """Lets go of every segment: the engine is finished (the memory goes with the last mapping)."""
-        for region in [*self.compute, self.transfer]:
+        for region in self._regions().values():
             region.close()
         for segment in self.channels:
             segment.close()
-        self.compute, self.channels = [], []
+        self.compute, self.transfer, self.channels = {}, {}, []

@@ -38,7 +38,7 @@ from writescope.block_allocator import CapacityError
 from writescope.config import EngineConfig
 from writescope.engine import PROVISIONAL_MODEL, Engine, _DeviceClock, _Request, _torch_threads
 from writescope.executor import LocalExecutor
-from writescope.inplace_kv_cache import InplaceKVCache
+from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache, one_token_blocks, selected_source
 from writescope.kv_format import KVFormat
 from writescope.loading import engine_cache_config
 from writescope.models.deepseek_v4 import (
@@ -113,36 +113,57 @@ class PlacedBlocks:
             del self.rows[key]
 
 
+def entry_cache_configs(cfg: DeepseekV4Config, kv_dtype: torch.dtype, *, block_size: int, window_tokens: int,
+                        max_batch_size: int, max_seq_len: int, num_shards: int, pingpong_blocks: int | None,
+                        device: str, max_host_kv_bytes: int | None) -> dict[str, CacheConfig]:
+    """The entry caches' configs, by layer type (CSA, HCA: those the model has), under the host limit:
+    each cache takes the part of it its entries take of the whole (a CSA entry covers csa_rate tokens,
+    an HCA entry hca_rate), so that together they stay within it."""
+    configs = {}
+    for kind in (CSA, HCA):
+        layers = cfg.layers_of(kind)
+        if layers:
+            configs[kind] = engine_cache_config(EntryFormat(len(layers), cfg.head_dim), kv_dtype,
+                                                block_size=block_size, max_batch_size=max_batch_size,
+                                                max_seq_len=max(max_seq_len // _rate(cfg, kind), block_size),
+                                                num_shards=num_shards, window_tokens=window_tokens,
+                                                pingpong_blocks=pingpong_blocks, device=device)
+    bytes_per_token = {kind: c.format.token_bytes / _rate(cfg, kind) for kind, c in configs.items()}
+    total = sum(bytes_per_token.values())
+    return {kind: c.with_host_limit(max_host_kv_bytes, share=bytes_per_token[kind] / total)
+            for kind, c in configs.items()}
+
+
+def _rate(cfg: DeepseekV4Config, kind: str) -> int:
+    return cfg.csa_rate if kind == CSA else cfg.hca_rate
+
+
 class EntryCaches:
     """The KV of a DeepSeek-V4 engine: an InplaceKVCache of compressed entries per compressed layer
-    type, and each sequence's token count and state slot. Admission reserves, in each cache, the
-    entries the sequence's prompt and max_new_tokens can produce."""
+    type (configs: entry_cache_configs), and each sequence's token count and state slot. Admission
+    reserves, in each cache, the entries the sequence's prompt and max_new_tokens can produce.
+    region_handles: per layer type, the handles of regions made elsewhere (a Ray region owner) to
+    attach instead of creating them."""
 
-    def __init__(self, cfg: DeepseekV4Config, kv_dtype: torch.dtype, policy: Policy, *, block_size: int,
-                 window_tokens: int, max_batch_size: int, max_seq_len: int, num_shards: int,
-                 pingpong_blocks: int | None, device: str, max_host_kv_bytes: int | None):
+    def __init__(self, cfg: DeepseekV4Config, configs: dict[str, CacheConfig], policy: Policy, *,
+                 max_batch_size: int, region_handles: dict | None = None):
         self.cfg = cfg
         self.policy = policy
         self.caches: dict[str, InplaceKVCache] = {}
         self.where: dict[int, tuple[str, int]] = {}  # model layer -> (layer type, its layer in that cache)
-        for kind in (CSA, HCA):
-            layers = cfg.layers_of(kind)
-            if not layers:
-                continue
-            config = engine_cache_config(EntryFormat(len(layers), cfg.head_dim), kv_dtype, block_size=block_size,
-                                         max_batch_size=max_batch_size,
-                                         max_seq_len=max(max_seq_len // self.rate(kind), block_size),
-                                         num_shards=num_shards,
-                                         window_tokens=window_tokens, pingpong_blocks=pingpong_blocks, device=device)
-            config = config.with_host_limit(max_host_kv_bytes)
-            self.caches[kind] = InplaceKVCache(config, policy)
-            self.where.update({layer: (kind, index) for index, layer in enumerate(layers)})
+        try:
+            for kind, config in configs.items():
+                self.caches[kind] = InplaceKVCache(config, policy, region_handles=(region_handles or {}).get(kind))
+                self.where.update({layer: (kind, index) for index, layer in enumerate(cfg.layers_of(kind))})
+        except BaseException:
+            self.close()
+            raise
         self.seqs: dict[object, _Sequence] = {}
         self.placed = PlacedBlocks()
         self._free_slots = list(range(max_batch_size - 1, -1, -1))
 
     def rate(self, kind: str) -> int:
-        return self.cfg.csa_rate if kind == CSA else self.cfg.hca_rate
+        return _rate(self.cfg, kind)
 
     def admit(self, seq_id, prompt_len: int, max_new_tokens: int, block_names=None) -> int:
         """Reserves each cache's entries for prompt_len + max_new_tokens tokens; CapacityError (nothing
@@ -216,7 +237,8 @@ class SplitEntries:
         # layer type -> entries the CPU and the device attended, and those the device read from
         # cpu_transfer (beside a GPU: copied over PCIe)
         self.attended: dict[str, dict[str, int]] = {}
-        self.gather_s = 0.0  # host time gathering CSA selections (the device's span, the CPU's rows)
+        self.gather_s = 0.0  # host time gathering CSA selections into the device's span
+        self.gathers: dict[str, GatherBuffers] = {}  # layer type -> its staging and device buffers (beside a GPU)
         self.prefill_seq = None  # the sequence a prefill writes
 
     # ------------------------------------------------------------------ writes
@@ -289,6 +311,11 @@ class SplitEntries:
         on_transfer = valid & ~in_window & (code == TRANSFER)
         shard = shards.gather(1, block)
         ships = self.policy.ships_cpu_compute
+        cpu_tokens = 0 if ships else int(in_compute.sum())
+        pending = None
+        if cpu_tokens:  # sent first: the CPU workers (or, in process, the kernel) attend while the device does
+            selection = [_token_table(token, in_compute & (shard == s)) for s in range(len(cache.compute))]
+            pending = self.cpu_partials[kind].attend_selected(index, q.to("cpu"), selection, cpu_tokens, scale)
         started = self.clock.start()
         if self.device_in_place:
             out, lse = self._device_in_place(kind, index, q, scale, selected, placed, token, in_window, on_transfer,
@@ -299,11 +326,7 @@ class SplitEntries:
         device_tokens = int(in_window.sum()) + int(on_transfer.sum()) + (int(in_compute.sum()) if ships else 0)
         device = ops.Partial(out, lse, device_tokens, self.clock.stop(started))
         moved = int(on_transfer.sum()) + (int(in_compute.sum()) if ships else 0)
-        if ships or not bool(in_compute.any()):
-            return None, device, moved
-        began = time.perf_counter()
-        out, lse = ops.attend(q.to("cpu"), _compute_sources(cache, index, token, in_compute, shard), scale, "cpu")
-        return ops.Partial(out, lse, int(in_compute.sum()), time.perf_counter() - began), device, moved
+        return None if pending is None else pending.result(), device, moved
 
     def _window_tokens(self, kind, selected, placed):
         """Selected window entries as token indices into the window's [max_seqs x window_tokens] rows."""
@@ -322,46 +345,90 @@ class SplitEntries:
     def _device_gathered(self, kind, index, q, scale, selected, placed, token, in_window, on_transfer, in_compute,
                          shard):
         """The device's share gathered into one span: cpu_transfer's (and, shipped, cpu_compute's) rows
-        into a pinned staging tensor, one copy to the device, then the window's rows on the device."""
+        into the layer's pinned staging span, one copy to its device buffer, then the window's rows
+        on the device."""
         cache = self.caches.caches[kind]
-        head_dim, dtype = cache.config.format.head_dim_k, cache.config.format.torch_dtype
+        if kind not in self.gathers:
+            fmt = cache.config.format
+            self.gathers[kind] = GatherBuffers(cache.config.max_seqs * self.caches.cfg.index_topk, fmt.head_dim_k,
+                                               fmt.torch_dtype, self.device)
         began = time.perf_counter()
-        rows = torch.zeros(*selected.shape, head_dim, dtype=dtype, pin_memory=self.device.type == "cuda")
-        rows[on_transfer] = _one_token_blocks(cache.transfer.arrays[0][index])[token[on_transfer], 0, 0]
+        rows = self.gathers[kind].staging(index, selected.shape)
+        rows[on_transfer] = one_token_blocks(cache.transfer.arrays[0][index])[token[on_transfer], 0, 0]
         chosen = on_transfer
         if in_compute is not None:
             for s, region in enumerate(cache.compute):
                 here = in_compute & (shard == s)
-                rows[here] = _one_token_blocks(region.arrays[0][index])[token[here], 0, 0]
+                rows[here] = one_token_blocks(region.arrays[0][index])[token[here], 0, 0]
             chosen = chosen | in_compute
         self.gather_s += time.perf_counter() - began
-        device_rows = rows.to(self.device, non_blocking=True)
-        window = _one_token_blocks(cache.window[0][index])
+        device_rows = self.gathers[kind].copy(index, rows)
+        window = one_token_blocks(cache.window[0][index])
         window_token = self._window_tokens(kind, selected, placed)
         device_rows[in_window.to(self.device)] = window[window_token[in_window].to(self.device), 0, 0]
         return _attend_rows(q, device_rows, (chosen | in_window).to(self.device), scale, self.backend)
 
 
-def _one_token_blocks(array):
-    """A token-major array of one layer ([..., tokens, head_dim] with one KV head) as blocks of one
-    token: [all its tokens, 1 kv head, 1, head_dim], a view."""
-    return array.reshape(-1, 1, 1, array.shape[-1])
+class GatherBuffers:
+    """Where the device's share of a CSA selection travels beside a GPU: two pinned host staging
+    spans and two device buffers of `rows` entries each, used by alternate layers (layer % 2), as
+    the ping-pong buffers are. A layer's selected rows are gathered into its staging span (one
+    contiguous span, however scattered the entries lie in the regions), then copied to its device
+    buffer as one DMA on a side stream, which the compute stream waits for. A staging span is
+    refilled only after its last copy finished (the host waits for that copy's event: two layers
+    back, long done), a device buffer only after the compute that read it (the side stream waits
+    for the compute stream)."""
+
+    def __init__(self, rows: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        cuda = device.type == "cuda"
+        self.head_dim = head_dim
+        self._staging = [torch.zeros(rows * head_dim, dtype=dtype, pin_memory=cuda) for _ in range(2)]
+        self._device = [torch.zeros(rows * head_dim, dtype=dtype, device=device) for _ in range(2)]
+        self._stream = torch.cuda.Stream(device=device) if cuda else None
+        self._copied: list = [None, None]  # the event of each staging span's last copy
+
+    def staging(self, layer: int, shape) -> torch.Tensor:
+        """The layer's staging span as [B, k, head_dim] (shape: the selection's [B, k]), free to fill."""
+        buffer = layer % 2
+        if self._copied[buffer] is not None:
+            self._copied[buffer].synchronize()
+            self._copied[buffer] = None
+        return self._staging[buffer][: shape[0] * shape[1] * self.head_dim].view(*shape, self.head_dim)
+
+    def copy(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
+        """rows (the layer's filled staging span) -> the same rows in its device buffer."""
+        buffer = layer % 2
+        target = self._device[buffer][: rows.numel()].view(rows.shape)
+        if self._stream is None:
+            return target.copy_(rows)
+        self._stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._stream):
+            target.copy_(rows, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        torch.cuda.current_stream().wait_event(event)
+        self._copied[buffer] = event
+        return target
+
+
+def _token_table(tokens, chosen):
+    """tokens [B, k] indices into a region's tokens, chosen [B, k] -> (table [B, k] int32, lens [B]
+    int32): each row's chosen tokens first, as a table of one-token blocks."""
+    order = torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)
+    lens = chosen.sum(dim=1).to(torch.int32)
+    return torch.where(chosen.gather(1, order), tokens.gather(1, order), 0).to(torch.int32), lens
 
 
 def _token_source(array, tokens, chosen):
     """A paged source over `array`'s tokens (token-major, one KV head) holding each row's chosen
-    tokens: tokens [B, k] indices into the array's tokens, chosen [B, k] -> one-token blocks, the row's
-    chosen ones first in its table."""
-    order = torch.argsort((~chosen).to(torch.int8), dim=1, stable=True)
-    lens = chosen.sum(dim=1).to(torch.int32)
-    table = torch.where(chosen.gather(1, order), tokens.gather(1, order), 0).to(torch.int32)
-    blocks = _one_token_blocks(array)
-    return ops.KVSource(blocks, blocks, table, lens)
+    tokens (tokens, chosen: as _token_table)."""
+    blocks = one_token_blocks(array)
+    return ops.KVSource(blocks, blocks, *_token_table(tokens, chosen))
 
 
 def _compute_sources(cache, index, token, chosen, shard):
     """The chosen entries of cpu_compute, one source per shard, in place."""
-    return [_token_source(region.arrays[0][index], token, chosen & (shard == s))
+    return [selected_source(region, index, *_token_table(token, chosen & (shard == s)))
             for s, region in enumerate(cache.compute)]
 
 
@@ -390,7 +457,8 @@ class DeepseekV4Engine(Engine):
         self.policy = policy
         self.cache = caches
         self.executor = executor
-        self.cpu_partials = {kind: executor.make_cpu_partial(cache) for kind, cache in caches.caches.items()}
+        self.cpu_partials = {kind: executor.make_cpu_partial(cache, region=i)
+                             for i, (kind, cache) in enumerate(caches.caches.items())}
         self._clock = _DeviceClock(model.device)
         self.step_history: deque = deque(maxlen=4096)
         self.max_batch_size = max_batch_size
@@ -414,12 +482,11 @@ class DeepseekV4Engine(Engine):
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, executor=None, concurrent: bool | None = None,
-                    region_handles=None, cache_config=None):
+                    region_handles: dict | None = None, cache_configs: dict | None = None):
+        """As Engine.from_config. region_handles, cache_configs: per layer type, the regions a Ray
+        region owner made and their configs as the driver sized them (entry_cache_configs)."""
         from writescope.loading import load_model
 
-        if region_handles is not None or cache_config is not None:
-            raise ValueError("a DeepSeek-V4 engine creates its own entry caches: region_handles and cache_config "
-                             "are for the other architectures")
         if config.hot_experts is not None:
             raise ValueError("hot_experts is not supported for DeepSeek-V4 yet: its experts all live on the device")
         model_config, weights, tokenizer, torch_dtype = load_model(config.model, config.dtype, config.weights_seed)
@@ -429,7 +496,8 @@ class DeepseekV4Engine(Engine):
                               max_seq_len=config.max_seq_len, block_size=config.block_size,
                               num_shards=config.num_shards, pingpong_blocks=config.pingpong_blocks,
                               max_host_kv_gb=config.max_host_kv_gb,
-                              prefill_chunk_tokens=config.prefill_chunk_tokens)
+                              prefill_chunk_tokens=config.prefill_chunk_tokens, region_handles=region_handles,
+                              cache_configs=cache_configs)
 
     @classmethod
     def from_model(cls, model: DeepseekV4Model, tokenizer, kv_dtype: torch.dtype, *,
@@ -438,17 +506,22 @@ class DeepseekV4Engine(Engine):
                    max_seq_len: int = EngineConfig.max_seq_len, block_size: int = EngineConfig.block_size,
                    num_shards: int | None = None, pingpong_blocks: int | None = None,
                    max_host_kv_gb: float | None = None,
-                   prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens):
+                   prefill_chunk_tokens: int = EngineConfig.prefill_chunk_tokens, region_handles: dict | None = None,
+                   cache_configs: dict | None = None):
         check_policy(policy)
         if not model.config.layers_of(CSA) and not model.config.layers_of(HCA):
             raise ValueError("the model has no compressed layer: nothing to place outside the sliding windows")
         calibrate = policy == "writescope"
         if not isinstance(policy, Policy):
             policy = make_policy(policy, PROVISIONAL_MODEL if calibrate else None)
-        caches = EntryCaches(model.config, kv_dtype, policy, block_size=block_size, window_tokens=window_tokens,
-                             max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_shards=num_shards or 1,
-                             pingpong_blocks=pingpong_blocks, device=str(model.device),
-                             max_host_kv_bytes=None if max_host_kv_gb is None else int(max_host_kv_gb * 2**30))
+        if cache_configs is None:
+            cache_configs = entry_cache_configs(
+                model.config, kv_dtype, block_size=block_size, window_tokens=window_tokens,
+                max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_shards=num_shards or 1,
+                pingpong_blocks=pingpong_blocks, device=str(model.device),
+                max_host_kv_bytes=None if max_host_kv_gb is None else int(max_host_kv_gb * 2**30))
+        caches = EntryCaches(model.config, cache_configs, policy, max_batch_size=max_batch_size,
+                             region_handles=region_handles)
         executor = executor or LocalExecutor(concurrent=False)
         try:
             engine = cls(model, tokenizer, policy=policy, caches=caches, executor=executor,
@@ -472,6 +545,31 @@ class DeepseekV4Engine(Engine):
                                  cpu_partial=type(self.cpu_partials[kind]).__name__, cpu_in_thread=False)
         with torch.inference_mode():
             return calibrate(cache, self.cpu_partials[kind], setup, force=force, lengths=lengths)
+
+    def cache_state(self) -> dict:
+        """As Engine.cache_state, per entry cache: each region's occupancy ("csa.cpu_compute", ...) and
+        the live sequences' entries in each region; the CPU share the policy wants now for the
+        entries the sequences spilled (the policy sees entries: what a step reads); the entries each
+        side attended since the start (cpu, device, and transfer: those the device read from
+        cpu_transfer)."""
+        occupancy, placed = {}, {}
+        for kind, cache in self.cache.caches.items():
+            config = cache.config
+            compute_used = sum(len(a.allocated) for a in cache.compute_alloc)
+            compute_total = config.compute_blocks_per_shard * config.num_shards
+            occupancy[f"{kind}.cpu_compute"] = compute_used / max(compute_total, 1)
+            occupancy[f"{kind}.cpu_transfer"] = len(cache.transfer_alloc.allocated) / max(config.transfer_blocks, 1)
+            entries = {"cpu_compute": 0, "cpu_transfer": 0, "gpu_window": 0}
+            for state in list(cache.seqs.values()):
+                for p in state.blocks:
+                    entries[p.region.value] += cache.block_size
+                entries["gpu_window"] += state.window_len
+            placed[kind] = entries
+        spilled = sum(cache.spilled_tokens() for cache in self.cache.caches.values())
+        return {"cpu_share_now": self.policy.preview_share(spilled) if spilled else None,
+                "cpu_share_at_32k": self.policy.preview_share(32768), "occupancy": occupancy,
+                "placed_entries": placed, "spilled_entries": spilled,
+                "entries_attended": {kind: dict(sides) for kind, sides in self.store.attended.items()}}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

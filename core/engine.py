@@ -208,9 +208,6 @@ class Engine:
         its keywords (`nodes`, `max_waiting`). region_handles: ([cpu_compute shard handle bytes],
         cpu_transfer handle bytes) of regions created elsewhere, attached instead of created."""
         config = (config or EngineConfig()).replace(**({"model": model} if model is not None else {}), **fields)
-        if executor == "ray" and _is_deepseek_v4(config):
-            raise ValueError("DeepSeek-V4 runs on the local executor only so far (executor='local'); its CPU "
-                             "partials over the Ray channels are not built yet")
         if executor == "ray":
             if region_handles is not None:
                 raise ValueError("region_handles are for an in-process engine; executor 'ray' creates its own")
@@ -229,12 +226,13 @@ class Engine:
         """The in-process engine of a config: the weights loaded onto config.device, then from_model.
         executor: an executor object (the GPU worker's channel executor, say); default a
         LocalExecutor, concurrent when the device is not the CPU (the two sides then run at once).
-        cache_config: the regions as sized already (by the Ray driver, with region_handles)."""
+        cache_config: the regions as sized already (by the Ray driver, with region_handles). For
+        DeepSeek-V4 both are dicts by layer type (its entry caches: deepseek_v4_engine)."""
         if _is_deepseek_v4(config):
             from writescope.deepseek_v4_engine import DeepseekV4Engine  # it builds on this module
 
             return DeepseekV4Engine.from_config(config, executor=executor, region_handles=region_handles,
-                                                cache_config=cache_config)
+                                                cache_configs=cache_config)
         model_config, weights, tokenizer, torch_dtype = load_model(config.model, config.dtype, config.weights_seed)
         weights = {name: w.to(config.device) for name, w in weights.items()}
         model = MoEModel(model_config, weights, device=config.device, hot_experts=config.hot_experts)
@@ -299,6 +297,20 @@ class Engine:
                                  cpu_in_thread=getattr(self.executor, "concurrent", False))
         with torch.inference_mode():
             return calibrate(self.cache, self.cpu_partial, setup, force=force, lengths=lengths)
+
+    def cache_state(self) -> dict:
+        """The KV's occupancy and placement and the CPU share the policy wants, for metrics."""
+        cache, config = self.cache, self.cache.config
+        compute_total = config.compute_blocks_per_shard * config.num_shards
+        compute_used = sum(len(a.allocated) for a in cache.compute_alloc)
+        return {"cpu_share_now": cache.wanted_share(), "cpu_share_at_32k": self.policy.preview_share(32768),
+                "occupancy": {"cpu_compute": compute_used / max(compute_total, 1),
+                              "cpu_transfer": len(cache.transfer_alloc.allocated) / max(config.transfer_blocks, 1)},
+                "prefix_cache": {"registered_blocks": cache.prefix.num_registered,
+                                 "evictable_blocks": cache.prefix.num_evictable,
+                                 "queried_tokens": cache.prefix.queried_tokens, "hit_tokens": cache.prefix.hit_tokens,
+                                 "allocated_blocks": cache.allocated_blocks()},
+                **placement(self)}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -27,8 +27,9 @@ class LocalExecutor:
         self._cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="writescope-cpu-partial") \
             if concurrent else None
 
-    def make_cpu_partial(self, cache) -> CPUPartial:
-        """The CPU side of the split over this cache, as this executor computes it."""
+    def make_cpu_partial(self, cache, region: int = 0) -> CPUPartial:
+        """The CPU side of the split over this cache, as this executor computes it. region: the cache's
+        index among the engine's KV caches (where a CPU worker serves more than one)."""
         return LocalCPUPartial(cache)
 
     def run(self, graph: DecodeGraph, bindings: dict[str, Binding], step: Any) -> dict[str, Any]:

@@ -105,15 +105,18 @@ class CacheConfig:
             return held
         return max(0, min(held, self.host_kv_bytes // self.block_bytes - self.slack_blocks()))
 
-    def with_host_limit(self, max_host_kv_bytes: int | None = None) -> CacheConfig:
+    def with_host_limit(self, max_host_kv_bytes: int | None = None, share: float = 1.0) -> CacheConfig:
         """This config under the host limit: max_host_kv_bytes, or what the machine has available
         where that is less (a shared-memory page that cannot be had would be a SIGBUS later, not an
         error), each region's address space cut to what the limit can hold. More sequences than fit
         at once are fine (admission waits, or refuses one that cannot fit alone); ValueError, before
-        anything is allocated, when the limit cannot hold even one sequence of max_blocks_per_seq."""
+        anything is allocated, when the limit cannot hold even one sequence of max_blocks_per_seq.
+        share: this cache's part of the limit, where an engine keeps several caches (DeepSeek-V4)."""
         available, source = host_memory_available()
         limit, source = (available, source) if max_host_kv_bytes is None or available < max_host_kv_bytes else (
             max_host_kv_bytes, "max_host_kv_gb")
+        if share != 1.0:
+            limit, source = int(limit * share), f"{share:.1%} of {source}"
         segment = self.region_segment_blocks("cpu_transfer")
         most = -(-(limit // self.block_bytes) // segment) * segment  # blocks the limit holds, in whole segments
         config = replace(self, compute_blocks_per_shard=min(self.compute_blocks_per_shard, most),
@@ -791,6 +794,25 @@ def compute_source(region: HostRegion, layer: int, block_table: torch.Tensor, se
         k, v = (array[layer].transpose(0, 1) for array in region.arrays)
         return KVSource(k, v, block_table, seq_lens)
     return KVSource(region.k[layer].transpose(0, 1), region.v[layer].transpose(0, 1), block_table, seq_lens)
+
+
+def one_token_blocks(array: torch.Tensor) -> torch.Tensor:
+    """A token-major array of one layer with one KV head ([..., tokens, head_dim]) as blocks of one
+    token: [all its tokens, 1 kv head, 1, head_dim], a view. A table of token indices into it is a
+    block table, so the paged kernels attend any selection of its tokens in place."""
+    return array.reshape(-1, 1, 1, array.shape[-1])
+
+
+def selected_source(region: HostRegion, layer: int, token_table: torch.Tensor, seq_lens: torch.Tensor) -> KVSource:
+    """Chosen tokens of one layer of a cpu_compute shard whose format has one KV head read as both K
+    and V (DeepSeek-V4's entries): token_table [num_seqs, width] int32 indices of tokens in the shard
+    (each row's first seq_lens[row] count), in place."""
+    fmt = region.handle.format
+    if fmt.num_kv_heads != 1 or not fmt.v_in_k:
+        raise ValueError(f"a selection of tokens reads a region of one KV head whose V is its K; this one has "
+                         f"{fmt.num_kv_heads} KV heads, v_in_k={fmt.v_in_k}")
+    blocks = one_token_blocks(region.arrays[0][layer])
+    return KVSource(blocks, blocks, token_table, seq_lens)
 
 
 def _attach_regions(config: CacheConfig, compute_handles, transfer_handle):

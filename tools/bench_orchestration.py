@@ -94,10 +94,10 @@ def channel_round_trip_ms(q, table, lens, repeats: int) -> float:
 
             from writescope.actors.channel import PartialServer
 
-            def zeros(layer, q, block_table, seq_lens, scale):
+            def zeros(region, layer, q, block_table, seq_lens, scale, unit):
                 return torch.zeros(q.shape[0], q.shape[1], spec.head_dim_v), torch.zeros(q.shape[:2]), 0.0
 
-            self.server = PartialServer(spec, zeros, num_layers=1)
+            self.server = PartialServer(spec, zeros, region_layers=[1])
 
         def ready(self):
             return self.server.serving()

@@ -1,11 +1,6 @@
-"""DeepSeek-V4 on InplaceKVCache against transformers' DeepseekV4ForCausalLM on the same weights.
-
-A random-weight checkpoint with every layer type (sliding-only, CSA, HCA), hash and routed MoE
-layers and hyper-connections, its sinks, position biases, router biases and hash routes drawn at
-random (transformers initialises them to zero), saved with save_pretrained and loaded by
-Engine.from_pretrained. Compression rates 4 (CSA) and 16 (HCA), an indexer keeping 3 entries, and
-entry windows of 4 entries in blocks of 2: prompts of 70-93 tokens flush the entry windows to the
-host regions and the indexer selects from every region.
+"""DeepSeek-V4 on InplaceKVCache against transformers' DeepseekV4ForCausalLM on the same weights:
+the checkpoint of tests/deepseek_v4_checkpoint.py, saved with save_pretrained and loaded by
+Engine.from_pretrained.
 """
 
 import json
@@ -14,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests import deepseek_v4_checkpoint as checkpoint_tools
+from tests.deepseek_v4_checkpoint import LAYER_TYPES, NEW_TOKENS
 from writescope.engine import Engine
 from writescope.models.checkpoint import load_weights
 from writescope.models.deepseek_v4 import (
@@ -31,46 +28,18 @@ from writescope.policies import POLICY_NAMES, Region
 
 transformers = pytest.importorskip("transformers")
 
-PROMPT_LENS = (70, 93)
-NEW_TOKENS = 16
 LOGITS = {"atol": 1e-4, "rtol": 1e-4}
-LAYER_TYPES = [SLIDING, CSA, HCA, CSA]
 REGIONS = {"all_transfer": {Region.CPU_TRANSFER}, "all_cpu": {Region.CPU_COMPUTE},
            "fixed_half": {Region.CPU_COMPUTE, Region.CPU_TRANSFER}, "monolithic": {Region.CPU_COMPUTE}}
 
 
 def hf_config(**changes):
-    settings = dict(
-        vocab_size=300, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=32, q_lora_rank=48, num_experts_per_tok=2, n_routed_experts=4,
-        n_shared_experts=1, layer_types=LAYER_TYPES, compress_rates={CSA: 4, HCA: 16}, hc_mult=2,
-        hc_sinkhorn_iters=5, mlp_layer_types=["hash_moe", "moe", "moe", "moe"], sliding_window=8, o_groups=2,
-        o_lora_rank=16, index_n_heads=2, index_head_dim=16, index_topk=3, partial_rotary_factor=0.5,
-        eos_token_id=None, pad_token_id=0)
-    settings.update(changes)
-    return transformers.DeepseekV4Config(**settings)
+    return checkpoint_tools.hf_config(transformers, **changes)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.DeepseekV4ForCausalLM(hf_config()).eval()
-    with torch.no_grad():  # what the initialisation leaves at zero, drawn, so that each part counts
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("tid2eid"):
-                tensor.copy_(torch.randint(0, 4, tensor.shape))
-            elif any(part in name for part in ("sinks", "position_bias", ".base", "hc_base", "e_score")):
-                tensor.normal_(0, 0.5)
-    path = tmp_path_factory.mktemp("deepseek_v4")
-    model.save_pretrained(path)
-    prompts = [torch.randint(1, 300, (n,)).tolist() for n in PROMPT_LENS]
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)
-            expected.append((out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]))
-    return str(path), prompts, expected
+    return checkpoint_tools.make_checkpoint(transformers, tmp_path_factory.mktemp("deepseek_v4"))
 
 
 def our_model(path):
@@ -181,6 +150,28 @@ def test_the_gathered_device_path_gives_the_same_tokens(checkpoint, policy, tmp_
     assert gathered_s > 0
 
 
+def test_the_gpu_path_through_the_triton_kernels_gives_the_same_tokens(checkpoint, tmp_path, monkeypatch):
+    """The device side as beside a GPU, its kernels Triton's (run here by the interpreter): HCA's
+    window and cpu_transfer through device_side, the CSA selection gathered through the staging and
+    device buffers, alternate layers using alternate buffers."""
+    from writescope import env
+
+    if not env.TRITON_INTERPRET.enabled():
+        pytest.skip("TRITON_INTERPRET is off in this process (the CUDA tests cover this path compiled)")
+    monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
+    path, prompts, expected = checkpoint
+    engine = Engine.from_pretrained(path, policy="fixed_half", dtype="float32", window_tokens=4, block_size=2,
+                                    max_batch_size=2, max_seq_len=256)
+    engine.store.device_in_place, engine.store.backend = False, "triton"
+    try:
+        outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
+        attended, gathers = engine.store.attended, engine.store.gathers
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in outputs] == [tokens for tokens, _ in expected]
+    assert attended[CSA]["transfer"] > 0 and attended[HCA]["device"] > 0 and set(gathers) == {CSA}
+
+
 def test_a_running_stream_gets_tokens_while_another_prompt_is_prefilled(checkpoint, tmp_path, monkeypatch):
     """Chunks of 32 tokens: the 93-token prompt takes three turns of the loop, and the stream already
     running gets a token at each of them, not only after that prefill."""
@@ -245,7 +236,7 @@ def test_bad_configs_are_named(change, message):
         DeepseekV4Config.from_hf(data)
 
 
-def test_a_missing_weight_and_the_ray_executor_are_clear_errors(checkpoint, tmp_path):
+def test_a_missing_weight_is_a_clear_error(checkpoint, tmp_path):
     from safetensors.torch import load_file, save_file
 
     path = checkpoint[0]
@@ -257,5 +248,3 @@ def test_a_missing_weight_and_the_ray_executor_are_clear_errors(checkpoint, tmp_
     save_file(weights, str(broken / "model.safetensors"))
     with pytest.raises(ValueError, match="lacks 1 weights"):
         Engine.from_pretrained(str(broken), max_seq_len=256)
-    with pytest.raises(ValueError, match="local executor only"):
-        Engine.from_pretrained(path, executor="ray")
