@@ -14,6 +14,8 @@ class ChannelCPUPartial(CPUPartial):
     over its channel, all sent before any is waited for, so the workers run in parallel. region: the
     cache's index among the shard regions each worker serves."""
 
+    runs_elsewhere = True
+
     def __init__(self, clients: list[PartialClient], cache, region: int):
         if cache.config.num_shards != len(clients):
             raise ValueError(f"the cache has {cache.config.num_shards} cpu_compute shards for {len(clients)} "

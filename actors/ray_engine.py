@@ -12,7 +12,8 @@ engine_cpus CPUs). Inside a decode step the GPU worker exchanges
 each layer's q and partials with the CPU workers over shared-memory channels
 (writescope.actors.channel_executor), not through Ray calls: see writescope.actors.channel and the
 README for the measured reasons. The caller's RayEngine holds only handles and forwards generate /
-generate_stream.
+generate_stream. DeepSeek-V4 has two KV caches (its entry caches, one per compression rate): the
+region owner makes regions for each, and each CPU worker serves its shard of both over one channel.
 """
 
 from __future__ import annotations

@@ -39,6 +39,10 @@ class PendingPartial:
 
 
 class CPUPartial(ABC):
+    # True where attend() only sends the request (another process computes it): a caller then sends
+    # it before its device work. False where attend() computes in the calling thread.
+    runs_elsewhere = False
+
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, view, scale: float) -> PendingPartial:
         """q [num_seqs, num_q_heads, head_dim_qk] on the host; view: the step's StepView -> the partial

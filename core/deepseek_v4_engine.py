@@ -13,10 +13,15 @@ them, like any block. Per decode step and layer:
   where each entry lies. cpu_compute's are attended in place by the CPU kernel: it reads a
   token-major region as blocks of one token, so a selection is a table of token indices into the
   region. The window's and cpu_transfer's are the device's: attended in place too on a CPU host;
-  beside a GPU gathered into one contiguous pinned span (one copy), as the release gathers them.
+  beside a GPU gathered into one contiguous pinned span and copied as one DMA (GatherBuffers: two
+  spans and two device buffers for alternate layers, as the ping-pong buffers are).
 The partials (sliding window, device entries, CPU entries) merge by LSE, and the sinks enter as an
 extra term of the softmax's denominator. The policy is fed the entries each side attended, so the
 perf model sees the bytes the sparse step moves, not the context length.
+
+On Ray (executor="ray") the region owner holds one set of regions per entry cache and each CPU
+worker serves its shard of every cache over its one channel: a request names the cache (region)
+and whether its table indexes blocks (HCA, dense) or single tokens (a CSA selection's share).
 
 The request loop (admission, sampling, stop handling, streaming, chunked prefill between decode
 steps) is Engine's; this engine brings its own model, KV and step. A prompt is prefilled in chunks
@@ -281,17 +286,15 @@ class SplitEntries:
         return ops.merge([(cpu.out.to(device.out.device), cpu.lse.to(device.out.device)), (device.out, device.lse)])
 
     def _dense(self, kind, index, q, scale):
-        """Every entry: the cache's own split (window + cpu_transfer on the device, cpu_compute on the CPU).
-        The device's work is launched first (asynchronous beside a GPU), so the CPU kernel runs with it."""
+        """Every entry: the cache's own split (window + cpu_transfer on the device, cpu_compute on the CPU)."""
         cache, view = self.caches.caches[kind], self.step.views[kind]
         ships = self.policy.ships_cpu_compute
         cache.start_transfer(index, view)
-        started = self.clock.start()
-        out, lse = device_side(cache, index, view, q, scale, self.backend, ships_compute=ships)
-        stopped = self.clock.stop(started)
-        cpu = None if ships else self.cpu_partials[kind].attend(index, q.to("cpu"), view, scale).result()
+        cpu, (out, lse), seconds = self._both_sides(
+            kind, None if ships else lambda partial: partial.attend(index, q.to("cpu"), view, scale),
+            lambda: device_side(cache, index, view, q, scale, self.backend, ships_compute=ships))
         moved = view.transfer_tokens + (view.compute_tokens if ships else 0)
-        return cpu, ops.Partial(out, lse, moved + self.step.window_tokens[kind], stopped), moved
+        return cpu, ops.Partial(out, lse, moved + self.step.window_tokens[kind], seconds), moved
 
     def _sparse(self, kind, index, q, scale, selected):
         """The indexer's selection [B, k] (-1: none), split by where each selected entry lies. The CPU
@@ -312,21 +315,34 @@ class SplitEntries:
         shard = shards.gather(1, block)
         ships = self.policy.ships_cpu_compute
         cpu_tokens = 0 if ships else int(in_compute.sum())
-        pending = None
-        if cpu_tokens:  # sent first: the CPU workers (or, in process, the kernel) attend while the device does
+
+        def send_cpu(partial):
             selection = [_token_table(token, in_compute & (shard == s)) for s in range(len(cache.compute))]
-            pending = self.cpu_partials[kind].attend_selected(index, q.to("cpu"), selection, cpu_tokens, scale)
-        started = self.clock.start()
-        if self.device_in_place:
-            out, lse = self._device_in_place(kind, index, q, scale, selected, placed, token, in_window, on_transfer,
-                                             in_compute if ships else None, shard)
-        else:
-            out, lse = self._device_gathered(kind, index, q, scale, selected, placed, token, in_window, on_transfer,
-                                             in_compute if ships else None, shard)
+            return partial.attend_selected(index, q.to("cpu"), selection, cpu_tokens, scale)
+
+        device_path = self._device_in_place if self.device_in_place else self._device_gathered
+        cpu, (out, lse), seconds = self._both_sides(
+            kind, send_cpu if cpu_tokens else None,
+            lambda: device_path(kind, index, q, scale, selected, placed, token, in_window, on_transfer,
+                                in_compute if ships else None, shard))
         device_tokens = int(in_window.sum()) + int(on_transfer.sum()) + (int(in_compute.sum()) if ships else 0)
-        device = ops.Partial(out, lse, device_tokens, self.clock.stop(started))
         moved = int(on_transfer.sum()) + (int(in_compute.sum()) if ships else 0)
-        return None if pending is None else pending.result(), device, moved
+        return cpu, ops.Partial(out, lse, device_tokens, seconds), moved
+
+    def _both_sides(self, kind, send_cpu, run_device):
+        """send_cpu: (CPUPartial) -> PendingPartial, or None when the CPU has nothing; run_device: () ->
+        (out, lse). -> (the CPU's Partial or None, the device's (out, lse), its clock marker). Which goes
+        first: the CPU's request where the partial runs elsewhere (the CPU workers compute while the
+        device side runs here), else the device's work (asynchronous beside a GPU: the kernel then runs
+        in this thread while the GPU computes)."""
+        partial = self.cpu_partials[kind]
+        pending = send_cpu(partial) if send_cpu is not None and partial.runs_elsewhere else None
+        started = self.clock.start()
+        device = run_device()
+        stopped = self.clock.stop(started)
+        if send_cpu is not None and not partial.runs_elsewhere:
+            pending = send_cpu(partial)
+        return None if pending is None else pending.result(), device, stopped
 
     def _window_tokens(self, kind, selected, placed):
         """Selected window entries as token indices into the window's [max_seqs x window_tokens] rows."""

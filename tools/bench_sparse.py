@@ -16,6 +16,10 @@ selection disabled, everything else the same, on the same sequence). Per step an
 The placement is the policy's (`fixed_half` by default, so that both sides hold entries).
 
     python tools/bench_sparse.py --contexts 32768 131072 --out bench_results/sparse.json
+
+With --compare-executors it instead decodes one sequence with the local and with the Ray executor
+(the CPU's share of each CSA selection sent to the CPU workers as token tables) and reports their
+tok/s side by side: what the actors and channels cost the sparse step.
 """
 
 from __future__ import annotations
@@ -139,6 +143,50 @@ def summarize(engine, rows) -> dict:
             "hca_entries": read[HCA], "gather_s": median("gather_s")}
 
 
+def executor_rows(context: int, args) -> list[dict]:
+    """One sequence of `context` random prompt tokens through the engine's public API on each executor
+    (local: in this process; ray: the engine's actors, the CPU partials on the CPU workers over their
+    channels): prefill seconds, and decode tok/s from the median gap between streamed tokens."""
+    prompt = torch.randint(0, 256, (context,), generator=torch.Generator().manual_seed(context)).tolist()
+    new_tokens = args.steps + args.warmup + 1
+    rows = []
+    for executor in ("local", "ray"):
+        engine = Engine.from_pretrained(args.preset, executor=executor, policy=args.policy, dtype=args.dtype,
+                                        max_batch_size=1, device=args.device, max_seq_len=context + new_tokens + 8,
+                                        window_tokens=args.window_tokens, block_size=args.block_size)
+        try:
+            began, ends = time.perf_counter(), []
+            for _ in tqdm(engine.generate_stream([prompt], max_new_tokens=new_tokens), total=new_tokens,
+                          desc=f"{context} tokens, {executor}", unit="tok"):
+                ends.append(time.perf_counter())
+            attended = (engine.state() if executor == "ray" else engine.cache_state())["entries_attended"]
+        finally:
+            engine.shutdown()
+        gaps = [b - a for a, b in zip(ends, ends[1:], strict=False)][args.warmup:]
+        steps = len(ends) - 1
+        rows.append({"context": context, "executor": executor, "prefill_s": ends[0] - began,
+                     "step_s": statistics.median(gaps), "tok_s": 1.0 / statistics.median(gaps),
+                     "csa_entries_cpu": attended[CSA]["cpu"] / steps,
+                     "csa_entries_device": attended[CSA]["device"] / steps})
+    return rows
+
+
+def executor_table(rows: list[dict], host: dict, args) -> str:
+    lines = [f"{args.preset}, {args.dtype}, policy {args.policy}, batch 1, device {args.device}; {host['cpu_model']} "
+             f"({host['cpus']} CPUs, kernel variant `{host['cpu_variant']}`); medians of {args.steps} decode steps "
+             f"after {args.warmup} warm-up, the sequence prefilled through the engine.",
+             "",
+             "| context | executor | prefill tok/s | CSA entries CPU / device a step | step ms | decode tok/s "
+             "| vs local |",
+             "|---|---|---|---|---|---|---|"]
+    local = {r["context"]: r["tok_s"] for r in rows if r["executor"] == "local"}
+    for r in rows:
+        lines.append(f"| {r['context']} | {r['executor']} | {r['context'] / r['prefill_s']:.0f} | "
+                     f"{r['csa_entries_cpu']:.0f} / {r['csa_entries_device']:.0f} | {r['step_s'] * 1e3:.1f} | "
+                     f"{r['tok_s']:.1f} | {r['tok_s'] / local[r['context']]:.2f}x |")
+    return "\n".join(lines)
+
+
 def table(results: list[dict], host: dict, args) -> str:
     drawn = (" (KV drawn, not prefilled)" if args.synthetic else "") + (
         "; the device side gathers its share" if args.device_gathers else "")
@@ -177,6 +225,9 @@ def main(argv=None):
     parser.add_argument("--window-tokens", type=int, default=256, help="entries kept in each cache's window")
     parser.add_argument("--block-size", type=int, default=16, help="entries per block")
     parser.add_argument("--device", default="cpu", help="the engine's device (cuda: the GPU's side of the split)")
+    parser.add_argument("--compare-executors", action="store_true",
+                        help="instead: the same sequence decoded by the local and the Ray executor (sparse), "
+                             "through the engine's public API")
     parser.add_argument("--out", default="bench_results/sparse.json", help="JSON results")
     args = parser.parse_args(argv)
     check_positive(parser, args, ["steps", "window_tokens", "block_size"])
@@ -184,8 +235,18 @@ def main(argv=None):
         parser.error("--warmup must be >= 0 and every context >= 1")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     host = host_info()
-    results = [measure(context, args) for context in args.contexts]
-    text = table(results, host, args)
+    if args.compare_executors:
+        if args.synthetic or args.device_gathers:
+            parser.error("--compare-executors prefills through the engine's API: without --synthetic and "
+                         "--device-gathers")
+        from writescope.actors.local_ray import ensure_ray
+
+        ensure_ray()
+        results = [row for context in args.contexts for row in executor_rows(context, args)]
+        text = executor_table(results, host, args)
+    else:
+        results = [measure(context, args) for context in args.contexts]
+        text = table(results, host, args)
     write_json(args.out, {"host": host, "args": vars(args), "results": results, "table": text})
     print(text)  # noqa: T201 - the tool's output
 

@@ -25,3 +25,19 @@ def test_sparse_reads_the_selection_and_dense_every_entry(tmp_path, monkeypatch)
     assert sparse["csa_entries_cpu"] > 0 and sparse["csa_entries_device"] > 0  # fixed_half: both sides
     assert sparse["kv_read_bytes"] < dense["kv_read_bytes"]
     assert result["prefill_tok_s"] > 0 and sparse["tok_s"] > 0
+
+
+def test_the_executors_decode_the_same_selection(ray_cluster, tmp_path, monkeypatch):
+    """--compare-executors: the sequence decoded in process and on Ray, each attending the indexer's
+    512 entries a CSA layer, split between the CPU and the device side."""
+    monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
+    out = tmp_path / "executors.json"
+    bench_sparse.main(["--compare-executors", "--contexts", str(CONTEXT), "--steps", "2", "--warmup", "0",
+                       "--dtype", "float32", "--out", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["executor"] for r in rows] == ["local", "ray"]
+    csa_layers = SPARSE_PRESETS["tiny-deepseek-v4"]["layer_types"].count(CSA)
+    for row in rows:
+        assert row["csa_entries_cpu"] > 0 and row["csa_entries_device"] > 0
+        assert row["csa_entries_cpu"] + row["csa_entries_device"] == csa_layers * 512
+        assert row["tok_s"] > 0
