@@ -2,7 +2,9 @@
 tests/deepseek_v4_checkpoint.py served by a Ray engine (a region owner holding one set of regions
 per entry cache, CPU workers attending their shard of each over their channels, the CSA selection
 as token tables) gives transformers' greedy tokens under every policy; a killed CPU worker changes
-none; its state and host memory name each entry cache; shutdown leaves nothing behind."""
+none, a killed GPU worker names the lost requests and its successor decodes them again; its state
+and host memory name each entry cache; shutdown leaves nothing behind; the batch job and the Serve
+app give the same tokens."""
 
 import os
 import signal
@@ -62,6 +64,27 @@ def test_a_killed_cpu_worker_is_restarted_and_the_tokens_do_not_change(ray_clust
                 os.kill(old_pid, signal.SIGKILL)
         assert [tokens[0], tokens[1]] == [t for t, _ in expected]
         assert ray.get(victim.pid.remote()) != old_pid  # restarted, both of its shards attached again
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+
+
+def test_a_killed_gpu_worker_names_the_lost_requests_and_the_engine_then_works(ray_cluster, checkpoint):
+    """The restarted GPU worker attaches both entry caches' regions again (their segments released:
+    nothing in them is live) and decodes the same prompts to the same tokens."""
+    from writescope.actors.ray_engine import WorkerLostError
+
+    path, prompts, expected = checkpoint
+    engine = ray_engine(path, "fixed_half", 2)
+    try:
+        old_pid = ray.get(engine.gpu_worker.pid.remote())
+        with pytest.raises(WorkerLostError) as lost:
+            for count, _ in enumerate(engine.generate_stream(prompts, max_new_tokens=NEW_TOKENS)):
+                if count == 4:
+                    os.kill(old_pid, signal.SIGKILL)
+        assert lost.value.lost_requests == [0, 1]
+        assert [o.token_ids for o in engine.generate(prompts, max_new_tokens=NEW_TOKENS)] == [t for t, _ in expected]
+        assert ray.get(engine.gpu_worker.pid.remote()) != old_pid
         engine.check_integrity()
     finally:
         engine.shutdown()
