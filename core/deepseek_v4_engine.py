@@ -135,8 +135,14 @@ def entry_cache_configs(cfg: DeepseekV4Config, kv_dtype: torch.dtype, *, block_s
                                                 pingpong_blocks=pingpong_blocks, device=device)
     bytes_per_token = {kind: c.format.token_bytes / _rate(cfg, kind) for kind, c in configs.items()}
     total = sum(bytes_per_token.values())
-    return {kind: c.with_host_limit(max_host_kv_bytes, share=bytes_per_token[kind] / total)
-            for kind, c in configs.items()}
+    limited = {}
+    for kind, config in configs.items():
+        try:
+            limited[kind] = config.with_host_limit(max_host_kv_bytes, share=bytes_per_token[kind] / total)
+        except ValueError as error:  # its "tokens" are entries: say so, and what they stand for
+            raise ValueError(f"{kind} entries (one per {_rate(cfg, kind)} tokens, {max_seq_len} tokens a sequence "
+                             f"at most): {error}") from None
+    return limited
 
 
 def _rate(cfg: DeepseekV4Config, kind: str) -> int:

@@ -248,3 +248,20 @@ def test_a_missing_weight_is_a_clear_error(checkpoint, tmp_path):
     save_file(weights, str(broken / "model.safetensors"))
     with pytest.raises(ValueError, match="lacks 1 weights"):
         Engine.from_pretrained(str(broken), max_seq_len=256)
+
+
+def test_the_host_limit_is_shared_by_the_entry_caches(checkpoint):
+    """Each entry cache takes the part of max_host_kv_gb its entries take of the whole (CSA's 2 layers
+    one entry per 4 tokens, HCA's 1 layer one per 16, entries of one size: 8/9 and 1/9), so together
+    they stay within it; a limit too small for one sequence names the cache and what its entries
+    stand for."""
+    from writescope.deepseek_v4_engine import entry_cache_configs
+
+    path = checkpoint[0]
+    config = our_model(path).config
+    sizes = dict(block_size=2, window_tokens=4, max_batch_size=2, num_shards=1, pingpong_blocks=None, device="cpu")
+    limited = entry_cache_configs(config, torch.float32, max_seq_len=256, max_host_kv_bytes=2**20, **sizes)
+    assert sum(c.host_kv_bytes for c in limited.values()) <= 2**20
+    assert limited[CSA].host_kv_bytes == pytest.approx(8 * limited[HCA].host_kv_bytes, rel=1e-3)
+    with pytest.raises(ValueError, match=r"compressed_sparse_attention entries \(one per 4 tokens, 65536 tokens"):
+        entry_cache_configs(config, torch.float32, max_seq_len=65536, max_host_kv_bytes=2**16, **sizes)
