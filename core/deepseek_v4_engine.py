@@ -296,11 +296,11 @@ class SplitEntries:
         cache, view = self.caches.caches[kind], self.step.views[kind]
         ships = self.policy.ships_cpu_compute
         cache.start_transfer(index, view)
-        cpu, (out, lse), seconds = self._both_sides(
+        cpu, (out, lse), marker = self._both_sides(
             kind, None if ships else lambda partial: partial.attend(index, q.to("cpu"), view, scale),
             lambda: device_side(cache, index, view, q, scale, self.backend, ships_compute=ships))
         moved = view.transfer_tokens + (view.compute_tokens if ships else 0)
-        return cpu, ops.Partial(out, lse, moved + self.step.window_tokens[kind], seconds), moved
+        return cpu, ops.Partial(out, lse, moved + self.step.window_tokens[kind], marker), moved
 
     def _sparse(self, kind, index, q, scale, selected):
         """The indexer's selection [B, k] (-1: none), split by where each selected entry lies. The CPU
@@ -327,13 +327,13 @@ class SplitEntries:
             return partial.attend_selected(index, q.to("cpu"), selection, cpu_tokens, scale)
 
         device_path = self._device_in_place if self.device_in_place else self._device_gathered
-        cpu, (out, lse), seconds = self._both_sides(
+        cpu, (out, lse), marker = self._both_sides(
             kind, send_cpu if cpu_tokens else None,
             lambda: device_path(kind, index, q, scale, selected, placed, token, in_window, on_transfer,
                                 in_compute if ships else None, shard))
         device_tokens = int(in_window.sum()) + int(on_transfer.sum()) + (int(in_compute.sum()) if ships else 0)
         moved = int(on_transfer.sum()) + (int(in_compute.sum()) if ships else 0)
-        return cpu, ops.Partial(out, lse, device_tokens, seconds), moved
+        return cpu, ops.Partial(out, lse, device_tokens, marker), moved
 
     def _both_sides(self, kind, send_cpu, run_device):
         """send_cpu: (CPUPartial) -> PendingPartial, or None when the CPU has nothing; run_device: () ->
