@@ -12,11 +12,13 @@ bytes against the raw KV, peak RSS, and on CUDA the peak device memory (torch's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import resource
 import time
 
 import torch
+from tqdm import tqdm
 
 from writescope.config import EngineConfig
 from writescope.engine import Engine, placement
@@ -41,7 +43,8 @@ def run(args) -> dict:
         prompt = torch.randint(1, 250, (args.context,), generator=torch.Generator().manual_seed(0)).tolist()
         started = time.perf_counter()
         events = engine.generate_stream([prompt], max_new_tokens=args.new_tokens)
-        next(events)  # the first token: the prompt is prefilled
+        with _prefill_progress(engine, args.context):
+            next(events)  # the first token: the prompt is prefilled
         prefill_s = time.perf_counter() - started
         where, resident = placement(engine), engine.cache.host_resident_bytes()
         decode_started = time.perf_counter()
@@ -60,6 +63,26 @@ def run(args) -> dict:
             "resident_over_raw": resident / raw if raw else None, "device_kv_bytes": device_kv,
             "device_peak_bytes": device_peak,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+@contextlib.contextmanager
+def _prefill_progress(engine, tokens: int):
+    """A progress bar over the prompt tokens prefilled, chunk by chunk (a 256K prefill takes minutes)."""
+    prefill_chunk = engine._prefill_chunk
+    bar = tqdm(total=tokens, desc="prefill", unit="tok")
+
+    def counted(request):
+        before = request.prefilled
+        result = prefill_chunk(request)
+        bar.update(request.prefilled - before)
+        return result
+
+    engine._prefill_chunk = counted
+    try:
+        yield
+    finally:
+        engine._prefill_chunk = prefill_chunk
+        bar.close()
 
 
 def main(argv: list[str] | None = None) -> int:
