@@ -500,7 +500,7 @@ class LocalEngine:
         return self.service.failure is not None
 
     def current_share(self) -> float | None:
-        return self.engine.cache.wanted_share()
+        return self.engine.cache_state()["cpu_share_now"]
 
     def shutdown(self, graceful: bool = True) -> None:
         self.service.close()

@@ -55,11 +55,21 @@ class ChannelExecutor(LocalExecutor):
 
     def make_cpu_partial(self, cache, region: int = 0) -> CPUPartial:
         if self._clients is None:
-            self._clients = [PartialClient(spec) for spec in self.specs]
+            clients = []
+            try:
+                for spec in self.specs:
+                    clients.append(PartialClient(spec))
+            except BaseException:
+                for client in clients:
+                    client.close()
+                raise
+            self._clients = clients
         return ChannelCPUPartial(self._clients, cache, region)
 
     def shutdown(self) -> None:
-        super().shutdown()
-        for client in self._clients or []:
-            client.close()
-        self._clients = None
+        try:
+            super().shutdown()
+        finally:
+            for client in self._clients or []:
+                client.close()
+            self._clients = None

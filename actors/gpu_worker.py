@@ -35,7 +35,8 @@ class GPUWorker:
     def __init__(self, config: EngineConfig, cache_config, region_handles, channel_specs, policy_store,
                  max_waiting: int = 64):
         """config: the driver's, its num_shards one per CPU worker (channel_specs); its policy a name.
-        cache_config: the regions as the driver sized them (the region owner's)."""
+        cache_config: the regions as the driver sized them (the region owner's); region_handles their
+        handles. For DeepSeek-V4 both are dicts by layer type (one entry cache each)."""
         from writescope.actors.channel_executor import ChannelExecutor
         from writescope.actors.policy_store import RemotePolicy
         from writescope.engine import PROVISIONAL_MODEL, Engine

@@ -542,10 +542,11 @@ class DeepseekV4Engine(Engine):
                 max_batch_size=max_batch_size, max_seq_len=max_seq_len, num_shards=num_shards or 1,
                 pingpong_blocks=pingpong_blocks, device=str(model.device),
                 max_host_kv_bytes=None if max_host_kv_gb is None else int(max_host_kv_gb * 2**30))
-        caches = EntryCaches(model.config, cache_configs, policy, max_batch_size=max_batch_size,
-                             region_handles=region_handles)
         executor = executor or LocalExecutor(concurrent=False)
+        caches = None
         try:
+            caches = EntryCaches(model.config, cache_configs, policy, max_batch_size=max_batch_size,
+                                 region_handles=region_handles)
             engine = cls(model, tokenizer, policy=policy, caches=caches, executor=executor,
                          max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                          prefill_chunk_tokens=prefill_chunk_tokens)
@@ -553,7 +554,8 @@ class DeepseekV4Engine(Engine):
                 policy.estimator.reset_to(engine.calibrate())
             return engine
         except BaseException:
-            caches.close()
+            if caches is not None:
+                caches.close()
             executor.shutdown()
             raise
 
@@ -582,8 +584,8 @@ class DeepseekV4Engine(Engine):
             occupancy[f"{kind}.cpu_compute"] = compute_used / max(compute_total, 1)
             occupancy[f"{kind}.cpu_transfer"] = len(cache.transfer_alloc.allocated) / max(config.transfer_blocks, 1)
             entries = {"cpu_compute": 0, "cpu_transfer": 0, "gpu_window": 0}
-            for state in list(cache.seqs.values()):
-                for p in state.blocks:
+            for state in list(cache.seqs.values()):  # a snapshot: the engine's thread admits and finishes
+                for p in list(state.blocks):
                     entries[p.region.value] += cache.block_size
                 entries["gpu_window"] += state.window_len
             placed[kind] = entries
@@ -591,7 +593,7 @@ class DeepseekV4Engine(Engine):
         return {"cpu_share_now": self.policy.preview_share(spilled) if spilled else None,
                 "cpu_share_at_32k": self.policy.preview_share(32768), "occupancy": occupancy,
                 "placed_entries": placed, "spilled_entries": spilled,
-                "entries_attended": {kind: dict(sides) for kind, sides in self.store.attended.items()}}
+                "entries_attended": {kind: dict(sides) for kind, sides in list(self.store.attended.items())}}
 
     def shutdown(self) -> None:
         self.executor.shutdown()

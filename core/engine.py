@@ -206,7 +206,8 @@ class Engine:
         process; executor "ray" is an alias of `writescope.actors.RayEngine.from_pretrained` (the
         engine's actors on the running Ray cluster, or an embedded local one), with executor_options
         its keywords (`nodes`, `max_waiting`). region_handles: ([cpu_compute shard handle bytes],
-        cpu_transfer handle bytes) of regions created elsewhere, attached instead of created."""
+        cpu_transfer handle bytes) of regions created elsewhere, attached instead of created (for
+        DeepSeek-V4 a dict of those by layer type, one per entry cache)."""
         config = (config or EngineConfig()).replace(**({"model": model} if model is not None else {}), **fields)
         if executor == "ray":
             if region_handles is not None:

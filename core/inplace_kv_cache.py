@@ -128,7 +128,7 @@ class CacheConfig:
                              f"{self.max_blocks_per_seq * self.format.block_size} tokens: its KV takes "
                              f"{sequence / gib:.3f} GiB, and the regions' segments being filled or kept (two per "
                              f"region) up to {slack / gib:.3f} GiB more; lower max_seq_len"
-                             f"{' or raise max_host_kv_gb' if source == 'max_host_kv_gb' else ''}")
+                             f"{' or raise max_host_kv_gb' if source.endswith('max_host_kv_gb') else ''}")
         return config
 
     def host_tokens(self) -> int:
@@ -520,7 +520,8 @@ class InplaceKVCache:
     # ---------------------------------------------------------------- reads
     def spilled_tokens(self) -> int:
         """Tokens of all live sequences outside the window: the L of the perf model."""
-        return sum(len(s.blocks) * self.block_size for s in self.seqs.values())
+        # a snapshot of the sequences: metrics read this from another thread than the engine's
+        return sum(len(s.blocks) * self.block_size for s in list(self.seqs.values()))
 
     def wanted_share(self) -> float | None:
         """The CPU share the policy wants now for the live sequences' spilled KV (the tokens outside

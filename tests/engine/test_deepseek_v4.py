@@ -116,13 +116,15 @@ def test_engine_gives_transformers_tokens_under_every_policy(checkpoint, policy,
                 regions[kind].update(p.region for state in cache.seqs.values() for p in state.blocks)
                 cache.check_integrity()
             outputs.append(event)
-        attended = engine.store.attended
+        attended, gathered = engine.store.attended, set(engine.store.gathers)
         finished = engine.generate(prompts, max_new_tokens=NEW_TOKENS, return_logits=True)
         assert not engine.cache.seqs and all(not c.seqs for c in engine.cache.caches.values())
     finally:
         engine.shutdown()
     if policy in REGIONS:
         assert regions == dict.fromkeys(regions, REGIONS[policy])
+    if device == "cuda" and attended[CSA]["transfer"]:  # beside a GPU the selection's share went through the spans
+        assert gathered == {CSA}
     if policy == "fixed_half":  # the selection was split: some entries attended on each side
         assert attended[CSA]["cpu"] > 0 and attended[CSA]["device"] > 0
         assert attended[HCA]["cpu"] > 0 and attended[HCA]["device"] > 0
@@ -165,11 +167,12 @@ def test_the_gpu_path_through_the_triton_kernels_gives_the_same_tokens(checkpoin
     engine.store.device_in_place, engine.store.backend = False, "triton"
     try:
         outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS)
-        attended, gathers = engine.store.attended, engine.store.gathers
+        attended, gathers, gather_s = engine.store.attended, engine.store.gathers, engine.store.gather_s
     finally:
         engine.shutdown()
     assert [o.token_ids for o in outputs] == [tokens for tokens, _ in expected]
     assert attended[CSA]["transfer"] > 0 and attended[HCA]["device"] > 0 and set(gathers) == {CSA}
+    assert gather_s > 0
 
 
 def test_a_running_stream_gets_tokens_while_another_prompt_is_prefilled(checkpoint, tmp_path, monkeypatch):

@@ -3,6 +3,8 @@ indexer's 512 CSA entries a layer, the dense one every entry, on the same sequen
 
 import json
 
+import pytest
+
 from writescope.models.deepseek_v4 import CSA
 from writescope.models.presets import SPARSE_PRESETS
 from writescope.tools import bench_sparse
@@ -27,9 +29,11 @@ def test_sparse_reads_the_selection_and_dense_every_entry(tmp_path, monkeypatch)
     assert result["prefill_tok_s"] > 0 and sparse["tok_s"] > 0
 
 
+@pytest.mark.ray
 def test_the_executors_decode_the_same_selection(ray_cluster, tmp_path, monkeypatch):
     """--compare-executors: the sequence decoded in process and on Ray, each attending the indexer's
-    512 entries a CSA layer, split between the CPU and the device side."""
+    512 entries a CSA layer, split between the CPU and the device side alike (the same placement and
+    the same selections: the same greedy tokens)."""
     monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
     out = tmp_path / "executors.json"
     bench_sparse.main(["--compare-executors", "--contexts", str(CONTEXT), "--steps", "2", "--warmup", "0",
@@ -41,3 +45,6 @@ def test_the_executors_decode_the_same_selection(ray_cluster, tmp_path, monkeypa
         assert row["csa_entries_cpu"] > 0 and row["csa_entries_device"] > 0
         assert row["csa_entries_cpu"] + row["csa_entries_device"] == csa_layers * 512
         assert row["tok_s"] > 0
+    local, ray = rows
+    assert (local["csa_entries_cpu"], local["csa_entries_device"]) == (ray["csa_entries_cpu"],
+                                                                        ray["csa_entries_device"])
