@@ -576,19 +576,10 @@ class DeepseekV4Engine(Engine):
         entries the sequences spilled (the policy sees entries: what a step reads); the entries each
         side attended since the start (cpu, device, and transfer: those the device read from
         cpu_transfer)."""
-        occupancy, placed = {}, {}
-        for kind, cache in self.cache.caches.items():
-            config = cache.config
-            compute_used = sum(len(a.allocated) for a in cache.compute_alloc)
-            compute_total = config.compute_blocks_per_shard * config.num_shards
-            occupancy[f"{kind}.cpu_compute"] = compute_used / max(compute_total, 1)
-            occupancy[f"{kind}.cpu_transfer"] = len(cache.transfer_alloc.allocated) / max(config.transfer_blocks, 1)
-            entries = {"cpu_compute": 0, "cpu_transfer": 0, "gpu_window": 0}
-            for state in list(cache.seqs.values()):  # a snapshot: the engine's thread admits and finishes
-                for p in list(state.blocks):
-                    entries[p.region.value] += cache.block_size
-                entries["gpu_window"] += state.window_len
-            placed[kind] = entries
+        caches = self.cache.caches
+        occupancy = {f"{kind}.{region}": used for kind, cache in caches.items()
+                     for region, used in cache.occupancy().items()}
+        placed = {kind: cache.placed_tokens() for kind, cache in caches.items()}  # its "tokens" are entries
         spilled = sum(cache.spilled_tokens() for cache in self.cache.caches.values())
         return {"cpu_share_now": self.policy.preview_share(spilled) if spilled else None,
                 "cpu_share_at_32k": self.policy.preview_share(32768), "occupancy": occupancy,

@@ -301,12 +301,9 @@ class Engine:
 
     def cache_state(self) -> dict:
         """The KV's occupancy and placement and the CPU share the policy wants, for metrics."""
-        cache, config = self.cache, self.cache.config
-        compute_total = config.compute_blocks_per_shard * config.num_shards
-        compute_used = sum(len(a.allocated) for a in cache.compute_alloc)
+        cache = self.cache
         return {"cpu_share_now": cache.wanted_share(), "cpu_share_at_32k": self.policy.preview_share(32768),
-                "occupancy": {"cpu_compute": compute_used / max(compute_total, 1),
-                              "cpu_transfer": len(cache.transfer_alloc.allocated) / max(config.transfer_blocks, 1)},
+                "occupancy": cache.occupancy(),
                 "prefix_cache": {"registered_blocks": cache.prefix.num_registered,
                                  "evictable_blocks": cache.prefix.num_evictable,
                                  "queried_tokens": cache.prefix.queried_tokens, "hit_tokens": cache.prefix.hit_tokens,
@@ -692,11 +689,7 @@ def placement(engine: Engine) -> dict:
     """Where the live sequences' KV is (tokens per region), the tokens outside the window, and the
     CPU share the policy wants for them now."""
     cache = engine.cache
-    placed = {"cpu_compute": 0, "cpu_transfer": 0, "gpu_window": 0}
-    for state in list(cache.seqs.values()):
-        for p in state.blocks:
-            placed[p.region.value] += cache.block_size
-        placed["gpu_window"] += state.window_len
+    placed = cache.placed_tokens()
     spilled = placed["cpu_compute"] + placed["cpu_transfer"]
     return {"placed_tokens": placed, "spilled_tokens": spilled, "cpu_share_spilled": cache.wanted_share()}
 

@@ -518,6 +518,23 @@ class InplaceKVCache:
                     array[layer_index[:, None], blocks[None, :]] = chosen.permute(0, 2, 1, 3, 4)
 
     # ---------------------------------------------------------------- reads
+    def occupancy(self) -> dict[str, float]:
+        """The fraction of each host region's blocks in use (the shards of cpu_compute together)."""
+        config = self.config
+        compute_used = sum(len(a.allocated) for a in self.compute_alloc)
+        return {"cpu_compute": compute_used / max(config.compute_blocks_per_shard * config.num_shards, 1),
+                "cpu_transfer": len(self.transfer_alloc.allocated) / max(config.transfer_blocks, 1)}
+
+    def placed_tokens(self) -> dict[str, int]:
+        """The live sequences' tokens in each region and in the device window (a snapshot: metrics
+        read this from another thread than the engine's)."""
+        placed = {"cpu_compute": 0, "cpu_transfer": 0, "gpu_window": 0}
+        for state in list(self.seqs.values()):
+            for p in list(state.blocks):
+                placed[p.region.value] += self.block_size
+            placed["gpu_window"] += state.window_len
+        return placed
+
     def spilled_tokens(self) -> int:
         """Tokens of all live sequences outside the window: the L of the perf model."""
         # a snapshot of the sequences: metrics read this from another thread than the engine's

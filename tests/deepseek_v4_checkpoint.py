@@ -10,6 +10,7 @@ regions and the indexer selects from every region.
 
 import torch
 
+from tests.hf_reference import save_with_greedy_answers
 from writescope.models.deepseek_v4 import CSA, HCA, SLIDING
 
 PROMPT_LENS = (70, 93)
@@ -41,12 +42,4 @@ def make_checkpoint(transformers, path) -> tuple[str, list[list[int]], list[tupl
                 tensor.copy_(torch.randint(0, 4, tensor.shape))
             elif any(part in name for part in ("sinks", "position_bias", ".base", "hc_base", "e_score")):
                 tensor.normal_(0, 0.5)
-    model.save_pretrained(path)
-    prompts = [torch.randint(1, 300, (n,)).tolist() for n in PROMPT_LENS]
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)
-            expected.append((out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]))
-    return str(path), prompts, expected
+    return save_with_greedy_answers(model, path, PROMPT_LENS, NEW_TOKENS)

@@ -10,6 +10,7 @@ chunked prefill, must give the tokens of transformers' greedy generate.
 import pytest
 import torch
 
+from tests.hf_reference import save_with_greedy_answers
 from writescope.engine import Engine
 from writescope.policies import POLICY_NAMES, Region
 from writescope.sampling import SamplingParams
@@ -54,16 +55,7 @@ def hf_models():
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
     model = hf_models()[request.param].eval()
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    prompts = [torch.randint(1, 300, (n,)).tolist() for n in PROMPT_LENS]
-    expected = []
-    with torch.no_grad():
-        for prompt in prompts:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)
-            expected.append((out.sequences[0, len(prompt):].tolist(), [step[0] for step in out.logits]))
-    return str(path), prompts, expected
+    return save_with_greedy_answers(model, tmp_path_factory.mktemp(request.param), PROMPT_LENS, NEW_TOKENS)
 
 
 # Whole prompts in one turn, or 64-token chunks: each chunk attends to the KV the earlier ones wrote
