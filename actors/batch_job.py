@@ -54,10 +54,10 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError, model_validator
 from tqdm import tqdm
 
+from writescope.actors.gpu_worker import EngineService, QueueFullError
 from writescope.config import EngineConfig
 from writescope.prompts import check_unicode
 from writescope.sampling import SEED_MAX, SEED_MIN, SamplingParams
-from writescope.service import QueueFullError
 
 log = logging.getLogger("writescope.batch_job")
 MAX_ID_CHARS = 512
@@ -476,8 +476,6 @@ class LocalEngine:
     """The batch on an in-process Engine (--executor local), through the same submit / stream API."""
 
     def __init__(self, engine, max_waiting: int):
-        from writescope.service import EngineService
-
         self.engine = engine
         self.service = EngineService(engine, max_waiting=max_waiting)
         self._streams = {}

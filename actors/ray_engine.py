@@ -10,8 +10,8 @@ Ray places, starts, restarts and kills these actors, all of them in one engine g
 (writescope.actors.engine_group: one placement-group bundle, STRICT_PACK, with the GPU and
 engine_cpus CPUs). Inside a decode step the GPU worker exchanges
 each layer's q and partials with the CPU workers over shared-memory channels
-(writescope.actors.channel_executor), not through Ray calls: see writescope.actors.channel and the
-README for the measured reasons. The caller's RayEngine holds only handles and forwards generate /
+(writescope.actors.cpu_worker), not through Ray calls: see that module and the README for the
+measured reasons. The caller's RayEngine holds only handles and forwards generate /
 generate_stream. DeepSeek-V4 has two KV caches (its entry caches, one per compression rate): the
 region owner makes regions for each, and each CPU worker serves its shard of both over one channel.
 """
@@ -26,10 +26,9 @@ import time
 
 import ray
 
-from writescope.actors.channel import ChannelSpec
-from writescope.actors.cpu_worker import CPUWorker
+from writescope.actors.cpu_worker import ChannelSpec, CPUWorker
 from writescope.actors.engine_group import MAIN_CACHE, EngineGroup, EngineSite, engine_site
-from writescope.actors.gpu_worker import GPUWorker
+from writescope.actors.gpu_worker import GPUWorker, QueueFullError
 from writescope.actors.local_ray import ensure_ray
 from writescope.actors.policy_store import PolicyStore
 from writescope.actors.region_owner import RegionOwner
@@ -37,7 +36,6 @@ from writescope.config import EngineConfig
 from writescope.loading import load_tokenizer
 from writescope.prompts import PromptEncoder
 from writescope.sampling import SamplingParams, call_params
-from writescope.service import QueueFullError
 from writescope.topology import NumaNode
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ class RegionOwner:
     def __init__(self, cache_configs: dict, channel_specs, engine_id: str, pin: bool):
         """cache_configs: name -> CacheConfig of each KV cache of the engine (one for the MoE models,
         one per compression rate for DeepSeek-V4): the regions made for each."""
-        from writescope.actors.channel import create_segment
+        from writescope.actors.cpu_worker import create_segment
         from writescope.inplace_kv_cache import create_region
 
         self.compute: dict[str, list] = {}

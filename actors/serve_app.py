@@ -57,6 +57,7 @@ from ray.util import metrics
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from writescope.actors.engine_group import engine_bundle
+from writescope.actors.gpu_worker import QueueFullError
 from writescope.actors.openai_protocol import (
     ChatRequest,
     CompletionRequest,
@@ -69,7 +70,6 @@ from writescope.actors.openai_protocol import (
 from writescope.chat import load_chat_template, load_generation_defaults
 from writescope.config import FIELD_NAMES, EngineConfig
 from writescope.engine import INTERNAL_ERROR, INVALID_REQUEST
-from writescope.service import QueueFullError
 
 log = logging.getLogger(__name__)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -7,7 +7,7 @@ half on cpu_transfer (a share:0.5 placement), and layer 0 of them is timed:
                over the shards, under Ray a request to every CPU worker and their answers), fitted
                to seconds = A * tokens + C_cpu; the part of it outside the kernel's own seconds is
                C_dispatch (a channel's round trip), which the online observations do not contain;
-  device side  the layer's whole device path (`split.device_side`: ping-pong copies, launches and
+  device side  the layer's whole device path (`executor.device_side`: ping-pong copies, launches and
                the device partial over window + chunks), fitted to seconds = B * tokens + C_gpu;
   both         as a decode step runs them (the CPU partial sent, or on a worker thread where the
                executor has one, then the device path, then the CPU partial's result): the overlap
@@ -155,7 +155,7 @@ def measure(cache, cpu_partial, setup: CalibrationSetup, lengths, repeats: int) 
 
 
 def _time_sides(cache, cpu_partial, setup: CalibrationSetup, length: int, generator, repeats: int) -> dict:
-    from writescope.split import device_side
+    from writescope.executor import device_side
 
     fmt, device = cache.config.format, torch.device(cache.config.device)
     backend = "triton" if device.type == "cuda" else "cpu"

@@ -42,7 +42,7 @@ from writescope import ops
 from writescope.block_allocator import CapacityError
 from writescope.config import EngineConfig
 from writescope.engine import PROVISIONAL_MODEL, Engine, _DeviceClock, _Request, _torch_threads
-from writescope.executor import LocalExecutor
+from writescope.executor import LocalExecutor, device_side
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache, one_token_blocks, selected_source
 from writescope.kv_format import KVFormat
 from writescope.loading import engine_cache_config
@@ -57,7 +57,6 @@ from writescope.models.deepseek_v4 import (
 from writescope.policies import Policy, Region, check_policy, make_policy
 from writescope.prompts import PromptEncoder
 from writescope.sampling import Sampled
-from writescope.split import device_side
 
 log = logging.getLogger(__name__)
 

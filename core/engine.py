@@ -25,8 +25,7 @@ import torch
 from writescope import ops
 from writescope.block_allocator import CapacityError
 from writescope.config import EngineConfig
-from writescope.executor import LocalExecutor
-from writescope.graph import DecodeGraph, build_decode_graph
+from writescope.executor import DecodeGraph, LocalExecutor, build_decode_graph, device_side
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache, host_memory_available
 from writescope.loading import engine_cache_config, load_model, load_model_config
 from writescope.models.config import ModelConfig
@@ -46,7 +45,6 @@ from writescope.sampling import (
     make_generator,
     sample,
 )
-from writescope.split import device_side
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ nodes, per-layer exchange over the shared-memory channels); the decode step time
 the steps, and the overhead is (ray - local) per step and per layer, and as a share of the ray step.
 Part 2: the exchange of one CPU partial (q of 32 heads, a 32K-token table in; out and lse back) with
 a trivial partial, bound as plain `.remote()` + `ray.get`, as a compiled graph
-(`experimental_compile`) and over a channel (writescope.actors.channel), median round trip.
+(`experimental_compile`) and over a channel (writescope.actors.cpu_worker), median round trip.
 
     python tools/bench_orchestration.py --out bench_results/orchestration.json
 """
@@ -26,7 +26,7 @@ import numpy as np
 import ray
 import torch
 
-from writescope.actors.channel import ChannelSpec, PartialClient, create_segment
+from writescope.actors.cpu_worker import ChannelSpec, PartialClient, create_segment
 from writescope.actors.local_ray import start_local_ray
 from writescope.engine import Engine
 from writescope.tools.results import write_json
@@ -92,7 +92,7 @@ def channel_round_trip_ms(q, table, lens, repeats: int) -> float:
         def __init__(self, spec):
             import torch
 
-            from writescope.actors.channel import PartialServer
+            from writescope.actors.cpu_worker import PartialServer
 
             def zeros(region, layer, q, block_table, seq_lens, scale, unit):
                 return torch.zeros(q.shape[0], q.shape[1], spec.head_dim_v), torch.zeros(q.shape[:2]), 0.0

@@ -23,10 +23,10 @@ import time
 import requests
 import torch
 
+from writescope.actors.gpu_worker import EngineService
 from writescope.config import EngineConfig
 from writescope.engine import Engine
 from writescope.sampling import SamplingParams
-from writescope.service import EngineService
 from writescope.tools.local_serve import sse_payloads
 from writescope.tools.results import write_json
 

@@ -11,8 +11,7 @@ import pytest
 import ray
 import torch
 
-from writescope.actors.channel import BLOCKS, TOKENS, ChannelSpec, PartialClient, create_segment
-from writescope.actors.cpu_worker import CPUWorker
+from writescope.actors.cpu_worker import BLOCKS, TOKENS, ChannelSpec, CPUWorker, PartialClient, create_segment
 from writescope.deepseek_v4_engine import EntryFormat
 from writescope.kv_regions import HostRegion
 from writescope.topology import emulated_topology

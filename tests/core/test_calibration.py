@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from writescope import calibration
-from writescope.cpu_partial import LocalCPUPartial
 from writescope.engine import Engine
+from writescope.executor import LocalCPUPartial
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.kv_format import KVFormat
 from writescope.loading import engine_cache_config, load_model_config

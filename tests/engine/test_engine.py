@@ -9,7 +9,7 @@ import torch
 
 from writescope.block_allocator import CapacityError
 from writescope.engine import Engine
-from writescope.graph import LAYER_OPS, build_decode_graph
+from writescope.executor import LAYER_OPS, build_decode_graph
 from writescope.models.presets import EOS_TOKEN_ID, TINY_PRESETS, byte_level_tokenizer
 
 transformers = pytest.importorskip("transformers")

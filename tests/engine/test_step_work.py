@@ -24,7 +24,7 @@ def work_per_step(policy: str, context: int) -> tuple[dict[str, float], int]:
     counts = calls_per_step(stats, STEPS)
     for (file, _, function), (_, calls, *_rest) in stats.stats.items():
         if (file.endswith("engine.py") and function == "_device_partial") or \
-                (file.endswith(("ops.py", "cpu_partial.py")) and function == "attend"):  # each side's attend
+                (file.endswith(("ops.py", "executor.py")) and function == "attend"):  # each side's attend
             counts[function] = counts.get(function, 0) + calls / STEPS
     return counts, sum(placed[region] > 0 for region in ("cpu_compute", "cpu_transfer"))
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from writescope.actors.gpu_worker import EngineService, QueueFullError
 from writescope.engine import Engine, SamplingParams
-from writescope.service import EngineService, QueueFullError
 
 PROMPTS = [[5, 6, 7] * 20, list(range(1, 90)), [9] * 40, list(range(100, 30, -1))]
 OPTIONS = {"window_tokens": 8, "block_size": 4, "max_seq_len": 128}
