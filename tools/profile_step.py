@@ -18,6 +18,7 @@ import torch
 
 from writescope.engine import Engine
 from writescope.policies import policy_argument
+from writescope.tools.bench_split import whole_batch_chunk
 
 log = logging.getLogger("profile_step")
 # What a step's count of calls is checked on (tests/engine/test_step_work.py): name -> profiler key.
@@ -29,10 +30,12 @@ COUNTED = {"torch.tensor": "<built-in method torch.tensor>",
 def decoding_engine(preset: str, policy: str, batch: int, context: int, *, block_size: int = 16,
                     window_tokens: int = 256, dtype: str = "bfloat16", max_new_tokens: int = 64):
     """An engine and a generator whose first next() has prefilled `batch` prompts of `context` tokens;
-    each further next() is one decode step of the batch."""
+    each further next() is one decode step of the batch. The batch is prefilled in one turn: with
+    smaller chunks the first sequences would decode (and could finish) before the last is placed."""
     engine = Engine.from_pretrained(preset, policy=policy, dtype=dtype, max_batch_size=batch,
                                     max_seq_len=context + max_new_tokens, block_size=block_size,
-                                    window_tokens=window_tokens, enable_prefix_caching=False)
+                                    window_tokens=window_tokens, enable_prefix_caching=False,
+                                    prefill_chunk_tokens=whole_batch_chunk(batch, context, block_size))
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (context,), generator=generator).tolist() for _ in range(batch)]
     events = engine.generate_stream(prompts, max_new_tokens=max_new_tokens)
