@@ -39,6 +39,7 @@ class MoEModel:
         inv_freq, self.rope_factor = rope_frequencies(rope_dim, config.rope)
         self.inv_freq = inv_freq.to(self.device)  # [rope_dim / 2], beside the positions it multiplies
         self.expert_device = self._place_experts(hot_experts)
+        self.stacked_experts: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (gate_up, down)
         if config.is_mla:
             self._absorb_mla()
         self._fuse_projections()
@@ -84,6 +85,20 @@ class MoEModel:
                     gate, up, _ = self._checkpoint_expert_names(layer, expert)
                     fused, _ = self._expert_names(layer, expert)
                     self.w[fused] = torch.cat([self.w.pop(gate), self.w.pop(up)])
+                self._stack_experts(layer)
+
+    def _stack_experts(self, layer):
+        """A layer's experts, all on one device, as two stacked tensors (gate_up [E, 2 * inter, hidden],
+        down [E, hidden, inter]); each expert's weights become views of them, so nothing is held twice.
+        Experts not all on the engine's device (some or all cold) stay apart."""
+        if any(device != self.device for device in self.expert_device[layer]):
+            return
+        names = [self._expert_names(layer, e) for e in range(self.config.num_experts)]
+        gate_up = torch.stack([self.w[n] for n, _ in names])
+        down = torch.stack([self.w[n] for _, n in names])
+        for e, (gate_up_name, down_name) in enumerate(names):
+            self.w[gate_up_name], self.w[down_name] = gate_up[e], down[e]
+        self.stacked_experts[layer] = (gate_up, down)
 
     def rope(self, positions):
         """positions [T] -> the rope tables every layer of a step (or a prefill) applies."""
@@ -165,6 +180,19 @@ class MoEModel:
 
     def _moe(self, layer, x):
         weights, experts = self._route(layer, x)  # [T, top_k] each
+        stacked = self.stacked_experts.get(layer)
+        if stacked is not None and experts.numel() <= self.config.num_experts:
+            out = _gathered_experts(x, weights, experts, *stacked)
+        else:
+            out = self._experts_one_by_one(layer, x, weights, experts)
+        if self.config.n_shared_experts:
+            p = f"model.layers.{layer}.mlp.shared_experts."
+            out = out + swiglu(x, self.w[p + "gate_up_proj.weight"], self.w[p + "down_proj.weight"])
+        return out
+
+    def _experts_one_by_one(self, layer, x, weights, experts):
+        """Each chosen expert once over its tokens (a prefill's many tokens, or experts on two devices);
+        reads which experts were chosen on the host."""
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
             token_idx, slot = torch.where(experts == e)
@@ -172,9 +200,6 @@ class MoEModel:
             gate_up, down = (self.w[n] for n in self._expert_names(layer, e))
             y = swiglu(x[token_idx].to(device), gate_up, down).to(x.device)
             out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(x.dtype))
-        if self.config.n_shared_experts:
-            p = f"model.layers.{layer}.mlp.shared_experts."
-            out = out + swiglu(x, self.w[p + "gate_up_proj.weight"], self.w[p + "down_proj.weight"])
         return out
 
     def _route(self, layer, x):
@@ -213,3 +238,16 @@ class MoEModel:
         """(fused gate/up, down) weight names of an expert once loaded."""
         gate, _, down = self._checkpoint_expert_names(layer, expert)
         return gate.rsplit(".", 2)[0] + ".gate_up.weight", down
+
+
+def _gathered_experts(x, weights, experts, gate_up, down):
+    """x [T, hidden], weights and experts [T, top_k], gate_up [E, 2 * inter, hidden], down [E, hidden,
+    inter] -> [T, hidden]: every (token, expert) pair at once, over its expert's weights gathered
+    (at most E of them: a decode step's few tokens). A fixed number of operations whatever experts were
+    chosen, and none reads the choice on the host (no device sync inside the layer)."""
+    tokens, top_k = experts.shape
+    pairs = experts.reshape(-1)
+    h = torch.bmm(gate_up.index_select(0, pairs), x.repeat_interleave(top_k, dim=0)[:, :, None])[..., 0]
+    gate, up = h.chunk(2, dim=-1)  # [pairs, inter] each
+    y = torch.bmm(down.index_select(0, pairs), (F.silu(gate) * up)[:, :, None])[..., 0]  # [pairs, hidden]
+    return (y * weights.reshape(-1, 1)).to(x.dtype).view(tokens, top_k, -1).sum(dim=1)
