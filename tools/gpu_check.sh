@@ -31,7 +31,8 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 'transformers', transformers.__version__)" | tee -a "$OUT/summary.txt"
 step install 150 python3 -m pip install --no-index --no-deps --no-build-isolation -e .
 step gpu_tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider --timeout 60 \
-    tests/core/test_triton_attention.py tests/engine/test_parity.py tests/engine/test_deepseek_v4.py
+    tests/core/test_triton_attention.py tests/core/test_moe_model.py tests/engine/test_parity.py \
+    tests/engine/test_deepseek_v4.py
 step gpu_bench 60 python3 tools/bench_gpu_attention.py --repeats 20 --out "$OUT/gpu_attention.json"
 step e2e 200 python3 tools/bench_e2e.py --device cuda --contexts 8192 32768 --batches 1 4 --new-tokens 12 \
     --out "$OUT/e2e.json"
