@@ -1,4 +1,4 @@
-"""The engine: a MoE model decoding on InplaceKVCache, one task graph per batch shape.
+"""The engine: a MoE model decoding on InplaceKVCache, each step one run of the decode task graph.
 
     engine = Engine.from_pretrained("tiny-qwen3-moe" or "/path/to/checkpoint", policy="writescope")
     outputs = engine.generate(["a prompt", [1, 2, 3]], max_new_tokens=32)

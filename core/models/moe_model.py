@@ -9,7 +9,10 @@ depend on the placement.
 
 At load, projections that read the same input are fused into one matrix, as serving engines do
 (q/k/v of GQA; gate/up of every MLP and expert), so a decode step makes one small matmul where it
-made two or three; the rope tables are made once per step (`rope`) and shared by every layer.
+made two or three; the rope tables are made once per step (`rope`) and shared by every layer. A
+MoE layer's experts are stacked (each expert's weights a view of the stack), so that a decode step
+runs its few (token, expert) pairs at once over the chosen experts' weights, without reading the
+choice on the host; a prefill runs each chosen expert once over its tokens.
 """
 
 from __future__ import annotations
