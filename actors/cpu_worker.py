@@ -52,6 +52,7 @@ from writescope.topology import NumaNode
 
 log = logging.getLogger(__name__)
 
+# ------------------------------------------------------------------ the channel's wire
 REQUEST = struct.Struct("<QIIIIId")  # request id, region, layer, num_seqs, table width, unit, scale
 BLOCKS, TOKENS = 0, 1  # what a request's table indexes in its region: blocks, or single tokens (a selection)
 REPLY = struct.Struct("<QdI")  # request id, kernel seconds, length of the error message that follows (0: ok)
@@ -129,6 +130,7 @@ def _receive_exact(sock: socket.socket, size: int) -> bytes:
     return bytes(data)
 
 
+# ------------------------------------------------------------------ the CPU worker's end
 class PartialServer:
     """The CPU worker's side: a thread that answers partial requests over its shards (one region per
     KV cache of the engine: one for most models, one per compression rate for DeepSeek-V4).
@@ -259,6 +261,7 @@ class CPUWorker:
             region.close()
 
 
+# ------------------------------------------------------------------ the GPU worker's end
 class PartialClient:
     """The GPU worker's side of one channel: send() a request, then receive() its partial. A lost
     connection (the CPU worker died) is re-established within reconnect_timeout_s, while Ray

@@ -45,6 +45,7 @@ from writescope.sampling import SamplingParams, call_params
 log = logging.getLogger(__name__)
 
 
+# ------------------------------------------------------------------ the engine's loop, serving callers
 class QueueFullError(RuntimeError):
     """Too many requests wait for KV capacity; retry after retry_after_s."""
 
@@ -203,6 +204,7 @@ class EngineService:
         self._thread.join(timeout=60)
 
 
+# ------------------------------------------------------------------ the actor
 @ray.remote(max_restarts=-1, max_task_retries=0)
 class GPUWorker:
     def __init__(self, config: EngineConfig, cache_config, region_handles, channel_specs, policy_store,

@@ -46,6 +46,7 @@ import torch
 from writescope import ops
 from writescope.inplace_kv_cache import selected_source
 
+# ------------------------------------------------------------------ the task graph
 LAYER_OPS = ("transfer", "qkv", "window_write", "cpu_partial", "device_partial", "merge", "out_proj", "ffn")
 
 
@@ -101,6 +102,7 @@ def build_decode_graph(num_layers: int) -> DecodeGraph:
     return DecodeGraph(num_layers, tuple(nodes))
 
 
+# ------------------------------------------------------------------ the split's CPU side
 class PendingPartial:
     """A CPU partial under way; result() waits for it (the first time) and returns it."""
 
@@ -161,6 +163,7 @@ class LocalCPUPartial(CPUPartial):
         return PendingPartial.done(ops.Partial(out, lse, tokens, sum(s for _, _, s in parts)))
 
 
+# ------------------------------------------------------------------ the split's device side
 def device_side(cache, layer: int, view, q: torch.Tensor, scale: float, backend: str, *,
                 ships_compute: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q [num_seqs, num_q_heads, head_dim_qk] on the device -> (out [num_seqs, num_q_heads, head_dim_v],
@@ -173,6 +176,7 @@ def device_side(cache, layer: int, view, q: torch.Tensor, scale: float, backend:
     return ops.merge(partials)
 
 
+# ------------------------------------------------------------------ executors
 Binding = Callable[..., Any]  # (step, node, *input values) -> value
 
 
