@@ -1,13 +1,15 @@
-"""Capacity: a batch of long contexts decoding together through the Ray executor, with the host
-memory it takes against the raw bytes of the KV it holds.
+"""Capacity: a batch of long contexts decoding together through the Ray executor (or in one process),
+with the host memory it takes against the raw bytes of the KV it holds.
 
     python tools/bench_capacity.py --batch 32 --context 32768     # 1M aggregate tokens
+    python tools/bench_capacity.py --preset qwen3-30b-a3b-shape --batch 32 --context 32768 \
+        --executor local --device cuda --device-kv-gb 2 --policy writescope   # on a GPU, the paper's cap
 
 Reported: prefill tok/s (every prompt prefilled, chunked and interleaved as the engine does it: the
 first sequences decode while the later ones are prefilled), decode tok/s of the whole batch over
 --new-tokens steps once every sequence is resident, the KV placed (tokens and raw bytes), each host region's size and
 the bytes of it actually in memory (its committed segments), the peak RSS of the GPU
-worker and of this driver.
+worker (Ray) and of this process.
 """
 
 from __future__ import annotations
@@ -20,23 +22,41 @@ import time
 import torch
 from tqdm import tqdm
 
-from writescope.actors.local_ray import ensure_ray
+from writescope.config import EngineConfig
+from writescope.engine import Engine, placement
+from writescope.tools.bench_split import device_budget
 from writescope.tools.results import check_positive, write_json
 
 log = logging.getLogger("bench_capacity")
 
 
-def run(args) -> dict:
-    ensure_ray()
+def make_engine(args, max_new_tokens: int):
+    """The engine the batch runs on: Ray's actors, or one process (a device machine without Ray)."""
+    window, pingpong_blocks = args.window_tokens, None
+    if args.device_kv_gb is not None:  # the paper's cap: the batch's windows and a ping-pong pair within it
+        window, pingpong_blocks = device_budget(args.preset, args.device_kv_gb, 16, args.batch)
+    config = EngineConfig(model=args.preset, dtype="bfloat16", policy=args.policy, max_batch_size=args.batch,
+                          max_seq_len=args.context + max_new_tokens, window_tokens=window, device=args.device,
+                          prefill_chunk_tokens=args.prefill_chunk_tokens, pingpong_blocks=pingpong_blocks,
+                          enable_prefix_caching=False)
+    if args.executor == "local":
+        return Engine.from_config(config)
     from writescope.actors.ray_engine import RayEngine
 
+    return RayEngine.from_pretrained(config=config)  # connects to Ray, or starts the embedded one
+
+
+def host_memory(engine) -> dict[str, dict[str, int]]:
+    """Each host region's size and resident bytes: the cache's here, or the Ray region owner's."""
+    return engine.cache.host_memory() if isinstance(engine, Engine) else engine.host_memory()
+
+
+def run(args) -> dict:
     # The first sequences decode while the later ones are prefilled (a turn per chunk): each may
     # decode as many tokens as there are turns before the whole batch is resident, then new_tokens.
     prefill_turns = args.batch * -(-args.context // args.prefill_chunk_tokens)
     max_new_tokens = prefill_turns + args.new_tokens
-    engine = RayEngine.from_pretrained(args.preset, dtype="bfloat16", policy=args.policy, max_batch_size=args.batch,
-                                       max_seq_len=args.context + max_new_tokens, window_tokens=args.window_tokens,
-                                       prefill_chunk_tokens=args.prefill_chunk_tokens, enable_prefix_caching=False)
+    engine = make_engine(args, max_new_tokens)
     try:
         generator = torch.Generator().manual_seed(0)
         prompts = [torch.randint(1, 250, (args.context,), generator=generator).tolist() for _ in range(args.batch)]
@@ -50,12 +70,15 @@ def run(args) -> dict:
                 bar.update(1)
             if len(first) == args.batch and placed is None:  # every prompt prefilled: the whole batch resident
                 bar.close()
-                placed, memory, decode_started, decode_tokens = engine.state(), engine.host_memory(), \
+                placed, memory, decode_started, decode_tokens = placement_of(engine), host_memory(engine), \
                     time.perf_counter(), tokens
             elif placed is not None and tokens - decode_tokens >= args.batch * args.new_tokens:
                 break  # new_tokens decode steps of the whole batch (stopping cancels the rest)
         decode_s = time.perf_counter() - decode_started
-        gpu_worker_hwm = engine_peak_rss(engine)
+        gpu_worker_hwm = engine_peak_rss(engine) if args.executor == "ray" else None
+        # the device's peak (window, ping-pong, weights, activations) where it runs in this process
+        device_peak = torch.cuda.max_memory_allocated() if args.executor == "local" and args.device != "cpu" \
+            else None
     finally:
         engine.shutdown()
     prefill_s = max(first.values()) - started
@@ -71,7 +94,13 @@ def run(args) -> dict:
         "host_size_bytes": sum(r["size_bytes"] for r in memory.values()),
         "resident_over_raw": resident / raw, "gpu_worker_peak_rss_bytes": gpu_worker_hwm,
         "driver_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "device_peak_bytes": device_peak,
     }
+
+
+def placement_of(engine) -> dict:
+    """Where the KV lies (placed_tokens by region), from the engine here or the GPU worker's."""
+    return placement(engine) if isinstance(engine, Engine) else engine.state()
 
 
 def kv_bytes_per_token(preset: str) -> int:
@@ -103,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--policy", default="all_cpu")
     parser.add_argument("--window-tokens", type=int, default=256)
+    parser.add_argument("--executor", default="ray", choices=["ray", "local"])
+    parser.add_argument("--device", default="cpu", help="the engine's device (cuda on a GPU)")
+    parser.add_argument("--device-kv-gb", type=float, default=None,
+                        help="cap the device's KV (the batch's windows + ping-pong), as the paper does")
     parser.add_argument("--prefill-chunk-tokens", type=int, default=4096)
     parser.add_argument("--out", default="bench_results/capacity.json")
     args = parser.parse_args(argv)
