@@ -64,8 +64,7 @@ class RegionOwner:
     def memory(self) -> dict[str, dict[str, int]]:
         """Each KV region: its size (address space) and the bytes of it in memory (the segments the
         cache committed, and any page written outside them)."""
-        return {name: {"size_bytes": region.size_bytes, "resident_bytes": region.resident_bytes()}
-                for name, region in self._regions().items()}
+        return {name: region.memory() for name, region in self._regions().items()}
 
     def check_health(self) -> bool:
         """Every segment's descriptor is still open here (a closed owner can no longer be attached)."""

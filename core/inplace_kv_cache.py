@@ -729,10 +729,8 @@ class InplaceKVCache:
     def host_memory(self) -> dict[str, dict[str, int]]:
         """Each host region by name (cpu_compute_<shard>, cpu_transfer): its size (address space) and
         its bytes in memory now, as the Ray region owner reports them (RegionOwner.memory)."""
-        regions = {f"cpu_compute_{i}": region for i, region in enumerate(self.compute)}
-        regions["cpu_transfer"] = self.transfer
-        return {name: {"size_bytes": region.size_bytes, "resident_bytes": region.resident_bytes()}
-                for name, region in regions.items()}
+        memory = {f"cpu_compute_{i}": region.memory() for i, region in enumerate(self.compute)}
+        return {**memory, "cpu_transfer": self.transfer.memory()}
 
     def placed_bytes(self) -> int:
         """Host bytes of the KV placed now: every sealed block of every live sequence (a shared one

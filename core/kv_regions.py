@@ -397,6 +397,10 @@ class HostRegion:
         """Bytes of the region in memory now (its pages allocated, by any process)."""
         return self._segment.resident_bytes()
 
+    def memory(self) -> dict[str, int]:
+        """Its size (address space) and its bytes in memory now, as metrics and benchmarks report them."""
+        return {"size_bytes": self.size_bytes, "resident_bytes": self.resident_bytes()}
+
     @property
     def kind(self) -> str:
         return self.handle.kind

@@ -98,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="bench_results/long_sequence.json")
     args = parser.parse_args(argv)
     check_positive(parser, args, ("context", "new_tokens"))
+    if args.device_kv_gb is not None and not args.device_kv_gb > 0:
+        parser.error(f"--device-kv-gb must be > 0 (the device's KV budget in GiB), got {args.device_kv_gb}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     result = run(args)
     write_json(args.out, result)

@@ -3,6 +3,8 @@ the Ray executor, the host regions' pages in memory being the KV placed."""
 
 import json
 
+import pytest
+
 from writescope.tools import bench_capacity
 
 
@@ -38,3 +40,12 @@ def test_a_device_kv_cap_sets_the_window_and_the_pingpong(tmp_path, monkeypatch)
     window, pingpong_blocks = bench_capacity.device_budget("tiny-qwen3-moe", 0.0005, 16, 2)
     assert (made["config"].window_tokens, made["config"].pingpong_blocks) == (window, pingpong_blocks)
     assert window < 256  # the cap, not the default window
+
+
+@pytest.mark.parametrize("flags, message", [(["--device-kv-gb", "0"], "--device-kv-gb must be > 0"),
+                                            (["--executor", "mpi"], "invalid choice"),
+                                            (["--batch", "0"], "--batch")])
+def test_bad_flags_are_refused_by_name(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        bench_capacity.main(flags)
+    assert message in capsys.readouterr().err
