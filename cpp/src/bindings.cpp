@@ -14,14 +14,16 @@ PYBIND11_MODULE(_cpu, m) {
   m.doc() = "WriteScope CPU attention kernels (C++, runtime ISA dispatch, persistent thread pool).";
   init_runtime_from_env();
   m.attr("__cpu_variant__") = runtime().kernels->name;
-  m.attr("DEFAULT_CHUNK_TOKENS") = 512;
+  m.attr("MIN_CHUNK_TOKENS") = kMinChunkTokens;
+  m.attr("MAX_CHUNK_TOKENS") = kMaxChunkTokens;
 
   m.def("paged_attention", &paged_attention, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
         py::arg("v_cache").noconvert(), py::arg("block_table").noconvert(), py::arg("seq_lens").noconvert(),
         py::arg("out").noconvert(), py::arg("lse").noconvert(), py::kw_only(), py::arg("q_dtype"),
-        py::arg("kv_dtype"), py::arg("layout") = "token_major", py::arg("scale"), py::arg("chunk_tokens") = 512,
+        py::arg("kv_dtype"), py::arg("layout") = "token_major", py::arg("scale"), py::arg("chunk_tokens") = py::none(),
         "Decode attention over a paged head-major KV cache (layout token_major or paired); writes out and lse "
-        "in place and returns the kernel's seconds (a wait for the pool held by another caller excluded).");
+        "in place and returns the kernel's seconds (a wait for the pool held by another caller excluded). "
+        "chunk_tokens: tokens of one work item; None sizes items from the job (never from the thread count).");
   m.def("merge_partials", &merge_partials, py::arg("outs").noconvert(), py::arg("lses").noconvert(),
         py::arg("out").noconvert(), py::arg("lse").noconvert(),
         "Merges normalised partials by their natural-log LSE; writes out and lse in place.");

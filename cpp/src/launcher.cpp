@@ -292,15 +292,26 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+int64_t default_chunk_tokens(const int32_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads) {
+  int64_t token_heads = 0;
+  for (int64_t s = 0; s < num_seqs; ++s) token_heads += static_cast<int64_t>(seq_lens[s]) * num_kv_heads;
+  const int64_t chunk = (token_heads + kTargetItems - 1) / kTargetItems;
+  return chunk < kMinChunkTokens ? kMinChunkTokens : chunk > kMaxChunkTokens ? kMaxChunkTokens : chunk;
+}
+
 double paged_attention(const py::array& q, const py::array& k_cache, const py::array& v_cache,
                        const py::array& block_table, const py::array& seq_lens, py::array& out, py::array& lse,
                        const std::string& q_dtype, const std::string& kv_dtype, const std::string& layout,
-                       double scale, int64_t chunk_tokens) {
-  if (chunk_tokens < 1) fail("chunk_tokens must be >= 1, got " + std::to_string(chunk_tokens));
+                       double scale, std::optional<int64_t> requested_chunk_tokens) {
+  if (requested_chunk_tokens && *requested_chunk_tokens < 1)
+    fail("chunk_tokens must be >= 1 (or None: sized from the job), got " + std::to_string(*requested_chunk_tokens));
   AttentionJob job;
   IndexCopies copies;
   job.args = check_attention_args(q, k_cache, v_cache, block_table, seq_lens, out, lse, q_dtype, kv_dtype, layout,
                                   scale, copies);
+  int64_t chunk_tokens = requested_chunk_tokens ? *requested_chunk_tokens
+                                                : default_chunk_tokens(job.args.seq_lens, job.args.num_seqs,
+                                                                       job.args.num_kv_heads);
   // The paired kernel's items start on block boundaries: chunks are whole blocks.
   if (job.args.layout == KvLayout::kPaired) {
     const int64_t bs = job.args.block_size;

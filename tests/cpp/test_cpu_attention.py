@@ -105,6 +105,30 @@ def test_chunking_does_not_change_the_result(cpu_variant, chunk_tokens):
     assert_partials_close(out[0], lse[0], ref_out, ref_lse)
 
 
+def _one_block_call(q, k, v, **chunking):
+    # q [num_q_heads, head_dim]; k, v [num_kv_heads, seq_len, head_dim] as one block of one sequence
+    table = torch.zeros((1, 1), dtype=torch.int32)
+    lens = torch.tensor([k.shape[1]], dtype=torch.int32)
+    out = torch.empty(1, q.shape[0], v.shape[-1])
+    lse = torch.empty(1, q.shape[0])
+    _cpu.paged_attention(q[None].view(torch.int16).numpy(), k[None].view(torch.int16).numpy(),
+                         v[None].view(torch.int16).numpy(), table.numpy(), lens.numpy(), out.numpy(), lse.numpy(),
+                         q_dtype="bfloat16", kv_dtype="bfloat16", scale=128**-0.5, **chunking)
+    return out, lse
+
+
+@pytest.mark.parametrize("seq_len, num_kv_heads", [(613, 2), (20000, 8), (300000, 1)])
+def test_default_items_are_sized_from_the_job(seq_len, num_kv_heads):
+    # tokens x kv heads / 64, within [MIN_CHUNK_TOKENS, MAX_CHUNK_TOKENS]: 512, 2500 and 4096 here
+    q, k, v = make_inputs(**{**BASE, "seq_len": seq_len, "num_kv_heads": num_kv_heads, "head_dim": 64})
+    expected = min(max(-(-seq_len * num_kv_heads // 64), _cpu.MIN_CHUNK_TOKENS), _cpu.MAX_CHUNK_TOKENS)
+    out, lse = _one_block_call(q, k, v)
+    explicit_out, explicit_lse = _one_block_call(q, k, v, chunk_tokens=expected)
+    assert torch.equal(out, explicit_out) and torch.equal(lse, explicit_lse)
+    none_out, _ = _one_block_call(q, k, v, chunk_tokens=None)
+    assert torch.equal(none_out, out)
+
+
 def test_result_is_identical_for_any_thread_count():
     q, k, v = make_inputs(**{**BASE, "seq_len": 4099})
     default_threads = _cpu.num_threads()
