@@ -60,12 +60,16 @@ struct AttentionJob {
   std::unique_ptr<std::atomic<int64_t>[]> remaining;
   std::vector<std::vector<char>>* workspaces;
   int64_t group_size;
+  int64_t threads = 1;  // threads taking this job's items
 };
 
 void run_attention_item(void* context, int64_t index, int thread) {
   auto& job = *static_cast<AttentionJob*>(context);
   auto& ws = (*job.workspaces)[thread];
-  job.kernels->attend_item(job.args, job.items[index], Workspace{ws.data(), static_cast<int64_t>(ws.size())});
+  WorkItem item = job.items[index];
+  const int64_t likely_next = index + job.threads;
+  item.next = likely_next < static_cast<int64_t>(job.items.size()) ? &job.items[likely_next] : nullptr;
+  job.kernels->attend_item(job.args, item, Workspace{ws.data(), static_cast<int64_t>(ws.size())});
   const int64_t g = job.item_group[index];
   if (g < 0 || job.remaining[g].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   const ChunkGroup& cg = job.groups[g];
@@ -332,7 +336,9 @@ double paged_attention(const py::array& q, const py::array& k_cache, const py::a
   for (auto& ws : rt.workspaces)
     if (static_cast<int64_t>(ws.size()) < ws_bytes) ws.resize(ws_bytes);
   plan_items(job, chunk_tokens, out_ptr, lse_ptr, rt.chunk_partials);
-  rt.pool->run(static_cast<int64_t>(job.items.size()), &run_attention_item, &job, worth_workers(job.args));
+  const bool parallel = worth_workers(job.args);
+  job.threads = parallel ? rt.pool->num_threads() : 1;
+  rt.pool->run(static_cast<int64_t>(job.items.size()), &run_attention_item, &job, parallel);
   return seconds_since(started);
 }
 

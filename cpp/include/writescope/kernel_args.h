@@ -51,6 +51,11 @@ struct WorkItem {
   int64_t seq, kv_head, token_begin, token_end;
   float* out;
   float* lse;
+  // The item this thread will likely take next (nullptr: none). The paired kernel asks for its first
+  // tile during this item's last, so the next item does not start by waiting for memory. Only a
+  // guess (threads claim items from a counter; with items of equal size they take them in turns),
+  // and only ever prefetched: a wrong guess costs one tile of bandwidth, never a wrong result.
+  const WorkItem* next = nullptr;
 };
 
 // Per-thread scratch the kernel may use; sized by kernel_workspace_bytes().
