@@ -1,9 +1,11 @@
 """Triton split-KV decode attention and the LSE merge: the GPU half of split attention.
 
 Same contract as the CPU kernel (`writescope.ops`): normalised float32 partials with natural-log
-LSE, -inf for an empty part. Stage 1 gives each (sequence, kv head, split of SPLIT_TOKENS tokens)
-one program; the query heads of the kv head (GQA group, or all MLA heads) are the rows of one
-`tl.dot`. Stage 2 merges the splits in split order, so the reduction order is fixed.
+LSE, -inf for an empty part. Stage 1 gives each (sequence, kv head, split) one program; the query
+heads of the kv head (GQA group, or all MLA heads) are the rows of one `tl.dot`. Stage 2 merges the
+splits in split order, so the reduction order is fixed for a given split size. The split size
+comes from the work and the device (`split_tokens`): enough programs to fill every SM a few
+times over at any batch and length, and no program so short that its fixed work dominates.
 
 On a machine without a GPU the kernels run under Triton's interpreter: `TRITON_INTERPRET=1` must
 be set before this module is imported (Triton reads it when the kernels are decorated). There,
@@ -13,15 +15,42 @@ wrong in the interpreter); no autotuning, no libdevice.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from writescope import env
 
-SPLIT_TOKENS = 256  # tokens per stage-1 program; fixed, so results do not depend on the launch
 BLOCK_N = 32  # tokens per inner step of a stage-1 program
+# The split's bounds and the programs per SM are first choices, not yet measured on a GPU: the H200
+# run of the fixed 256-token split reached 0.18-0.78 of the copy bandwidth, short of programs at
+# 8K-32K (README). tools/bench_gpu_attention.py times every row against that fixed split too.
+MIN_SPLIT_TOKENS = 128  # four inner steps: a program's fixed work (its q, its partial stored, merged)
+MAX_SPLIT_TOKENS = 8192  # past it a program only lengthens its serial loop: huge work fills the grid anyway
+PROGRAMS_PER_SM = 8  # programs in flight per SM to keep its loads queued, and a short last wave
+NUM_STAGES = 2  # software-pipelined K/V loads in stage 1 (ignored by the interpreter)
 INTERPRETED = env.TRITON_INTERPRET.enabled()
+
+
+def split_tokens(num_seqs: int, num_kv_heads: int, capacity_tokens: int, num_sms: int) -> int:
+    """Tokens per stage-1 program for a grid of (num_seqs, num_kv_heads, splits of capacity_tokens):
+    the work spread over PROGRAMS_PER_SM x num_sms programs, rounded up to a power of two (a handful
+    of compiled variants) and kept within [MIN_SPLIT_TOKENS, MAX_SPLIT_TOKENS]. capacity_tokens is
+    the block table's (no device-to-host read of the lengths)."""
+    if min(num_seqs, num_kv_heads, capacity_tokens, num_sms) < 1:
+        return MIN_SPLIT_TOKENS
+    per_program = -(-num_seqs * num_kv_heads * capacity_tokens // (PROGRAMS_PER_SM * num_sms))
+    return min(max(triton.next_power_of_2(per_program), MIN_SPLIT_TOKENS), MAX_SPLIT_TOKENS)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    # Under the interpreter the "device" is this CPU, which runs the programs one by one.
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -150,7 +179,7 @@ def _v_in_k(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
             and v_cache.shape[-1] <= k_cache.shape[-1])
 
 
-def _launch_splits(q, k_cache, v_cache, block_table, seq_lens, mid_out, mid_lse, split_offset, scale):
+def _launch_splits(q, k_cache, v_cache, block_table, seq_lens, mid_out, mid_lse, split_offset, scale, split):
     num_seqs, num_q_heads, head_dim_qk = q.shape
     _, num_kv_heads, block_size, _ = k_cache.shape
     head_dim_v = v_cache.shape[-1]
@@ -158,7 +187,7 @@ def _launch_splits(q, k_cache, v_cache, block_table, seq_lens, mid_out, mid_lse,
     v_in_k = _v_in_k(k_cache, v_cache)
     k_main = head_dim_v if v_in_k else head_dim_qk
     k_tail = head_dim_qk - k_main
-    num_splits = _num_splits(block_table, block_size)
+    num_splits = _num_splits(block_table, block_size, split)
     if num_splits == 0:
         return
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
@@ -175,28 +204,41 @@ def _launch_splits(q, k_cache, v_cache, block_table, seq_lens, mid_out, mid_lse,
         K_TAIL=k_tail, BLOCK_K_TAIL=_pow2(k_tail),
         HEAD_DIM_V=head_dim_v, BLOCK_DV=_pow2(head_dim_v),
         V_IN_K=v_in_k, DOT_FP32=INTERPRETED or k_cache.dtype == torch.float32,
-        SPLIT=SPLIT_TOKENS, BLOCK_TOKENS=BLOCK_N,
+        SPLIT=split, BLOCK_TOKENS=BLOCK_N, num_stages=NUM_STAGES,
     )
 
 
-def _num_splits(block_table: torch.Tensor, block_size: int) -> int:
+def _num_splits(block_table: torch.Tensor, block_size: int, split: int) -> int:
     # From the table's capacity, not the lengths: no device-to-host sync; programs past a
     # sequence's end write an empty partial.
     capacity = block_table.shape[1] * block_size
-    return -(-capacity // SPLIT_TOKENS)
+    return -(-capacity // split)
 
 
-def paged_attention(q, sources, scale):
+def _source_split(q, source, split: int | None) -> int:
+    k_cache, _, block_table, _ = source
+    if split is not None:
+        return split
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    return split_tokens(q.shape[0], num_kv_heads, block_table.shape[1] * block_size, _num_sms(q.device))
+
+
+def paged_attention(q, sources, scale, split: int | None = None):
     """Split-KV decode over one or more paged sources of the same sequences (e.g. the GPU window and
     the ping-pong buffer), merged into one partial.
 
     q [num_seqs, num_q_heads, head_dim_qk]; each source is (k_cache [num_blocks, num_kv_heads,
     block_size, head_dim_qk], v_cache [..., head_dim_v], block_table [num_seqs, max_blocks] int32,
     seq_lens [num_seqs] int32) -> out [num_seqs, num_q_heads, head_dim_v], lse [num_seqs, num_q_heads].
+    split: tokens per stage-1 program, a multiple of BLOCK_N (None: `split_tokens` per source).
     """
+    if split is not None and (split < BLOCK_N or split % BLOCK_N):
+        raise ValueError(f"split must be a positive multiple of {BLOCK_N} tokens, got {split}")
     num_seqs, num_q_heads, _ = q.shape
     head_dim_v = sources[0][1].shape[-1]
-    splits = [_num_splits(table, k.shape[2]) for k, _, table, _ in sources]
+    source_splits = [_source_split(q, source, split) for source in sources]
+    splits = [_num_splits(table, k.shape[2], size)
+              for (k, _, table, _), size in zip(sources, source_splits, strict=True)]
     total_splits = max(sum(splits), 1)
     mid_out = torch.empty((num_seqs, num_q_heads, total_splits, head_dim_v), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((num_seqs, num_q_heads, total_splits), dtype=torch.float32, device=q.device)
@@ -204,8 +246,8 @@ def paged_attention(q, sources, scale):
         mid_out.zero_()
         mid_lse.fill_(float("-inf"))
     offset = 0
-    for (k_cache, v_cache, table, lens), count in zip(sources, splits, strict=True):
-        _launch_splits(q, k_cache, v_cache, table, lens, mid_out, mid_lse, offset, scale)
+    for (k_cache, v_cache, table, lens), count, size in zip(sources, splits, source_splits, strict=True):
+        _launch_splits(q, k_cache, v_cache, table, lens, mid_out, mid_lse, offset, scale, size)
         offset += count
     out = torch.empty((num_seqs, num_q_heads, head_dim_v), dtype=torch.float32, device=q.device)
     lse = torch.empty((num_seqs, num_q_heads), dtype=torch.float32, device=q.device)

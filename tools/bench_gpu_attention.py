@@ -3,7 +3,8 @@ host-to-device bandwidth the ping-pong stream gets from pinned vs pageable memor
 
 For each context length and model shape (bf16 KV in shuffled 16-token blocks, one decode query):
 median time of an eager call (CUDA events: launch overhead included) and of a CUDA-graph replay
-(GPU time alone), achieved HBM GB/s = KV bytes / time, that as a fraction of the device-to-device
+(GPU time alone), the split size `split_tokens` chose and the eager call's speed-up over a fixed
+256-token split (the size before it), achieved HBM GB/s = KV bytes / time, that as a fraction of the device-to-device
 copy bandwidth measured in the same run (bytes read + written / time), and the ratio against torch
 `scaled_dot_product_attention` (bf16, enable_gqa, contiguous KV) timed the same two ways. The
 result is checked against SDPA before it is timed. The kernel is timed through
@@ -113,7 +114,13 @@ def bench_row(shape, seq_len, device, copy_bw, args):
                                                                 enable_gqa=True)[:, :, 0]
     torch.testing.assert_close(ours, expected.float(), atol=2e-2, rtol=2e-2)
     ms = median_ms(lambda: triton_attention.paged_attention(q, [source], scale), device, args.warmup, args.repeats)
-    row = {"shape": shape.name, "seq_len": seq_len, "kernel_ms": ms,
+    # the split the work and the SMs chose, against the fixed 256-token split it replaced
+    split = triton_attention.split_tokens(1, shape.num_kv_heads, source.block_table.shape[1] * args.block_size,
+                                          triton_attention._num_sms(q.device))
+    fixed_ms = median_ms(lambda: triton_attention.paged_attention(q, [source], scale, split=256), device,
+                         args.warmup, args.repeats)
+    row = {"shape": shape.name, "seq_len": seq_len, "kernel_ms": ms, "split_tokens": split,
+           "fixed_256_ms": fixed_ms, "speedup_vs_fixed_256": fixed_ms / ms,
            "hbm_gbps": kv_bytes(shape, seq_len) / (ms * 1e-3) / 1e9,
            "tflops": flops(shape, seq_len) / (ms * 1e-3) / 1e12}
     row["fraction_of_copy_bw"] = row["hbm_gbps"] / copy_bw
@@ -133,12 +140,14 @@ def bench_row(shape, seq_len, device, copy_bw, args):
 
 
 def markdown_table(result):
-    lines = ["| shape | L | call ms | HBM GB/s | of copy BW | vs SDPA | graph-replay ms | of copy BW | vs SDPA |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | L | split | call ms | vs 256-token split | HBM GB/s | of copy BW | vs SDPA | graph-replay ms "
+             "| of copy BW | vs SDPA |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         graph = (f"{r['graph_ms']:.3f} | {r['graph_fraction_of_copy_bw']:.2f} | {r['graph_speedup_vs_sdpa']:.2f}x"
                  if "graph_ms" in r else "- | - | -")
-        lines.append(f"| {r['shape']} | {r['seq_len'] // 1024}K | {r['kernel_ms']:.3f} | {r['hbm_gbps']:.0f} "
+        lines.append(f"| {r['shape']} | {r['seq_len'] // 1024}K | {r['split_tokens']} | {r['kernel_ms']:.3f} "
+                     f"| {r['speedup_vs_fixed_256']:.2f}x | {r['hbm_gbps']:.0f} "
                      f"| {r['fraction_of_copy_bw']:.2f} | {r['speedup_vs_sdpa']:.2f}x | {graph} |")
     machine = result["machine"]
     lines.append("")

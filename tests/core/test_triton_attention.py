@@ -149,3 +149,43 @@ def test_cpu_tensors_need_the_interpreter():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert "TRITON_INTERPRET=1" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("num_seqs, num_kv_heads, capacity, num_sms, expected", [
+    (1, 8, 8192, 132, 128),  # 1 x 8K on an H200: 512 programs, twice the fixed 256-token split's
+    (1, 8, 32768, 132, 256),
+    (4, 4, 131072, 132, 2048),  # 1024 programs, not 8192 of 256 tokens
+    (64, 8, 32768, 132, 8192),  # the cap: 2048 programs still fill the GPU
+    (1, 1, 100, 132, 128),  # the floor: one short program
+    (1, 2, 4112, 1, 2048),  # the interpreter's one "SM"
+])
+def test_split_size_follows_the_work_and_the_sms(triton_device, num_seqs, num_kv_heads, capacity, num_sms, expected):
+    from writescope import triton_attention as ta
+
+    split = ta.split_tokens(num_seqs, num_kv_heads, capacity, num_sms)
+    assert split == expected
+    programs = num_seqs * num_kv_heads * -(-capacity // split)
+    target = ta.PROGRAMS_PER_SM * num_sms
+    assert programs <= target + num_seqs * num_kv_heads or split in (ta.MIN_SPLIT_TOKENS, ta.MAX_SPLIT_TOKENS)
+    if ta.MIN_SPLIT_TOKENS < split < ta.MAX_SPLIT_TOKENS:
+        assert programs > target / 4  # the GPU is filled, not left to a few long programs
+
+
+@pytest.mark.parametrize("split", [32, 96, 512, 8192])
+def test_any_split_size_gives_the_reference(triton_device, split):
+    from writescope import triton_attention as ta
+
+    q, k_cache, v_cache, table, lens = make_paged([613, 0, 97, 300], 16, device=triton_device)
+    out, lse = ta.paged_attention(q, [ops.KVSource(k_cache, v_cache, table, lens)], 64**-0.5, split=split)
+    ref_out, ref_lse = ops.paged_partial_attention(q.cpu(), k_cache.cpu(), v_cache.cpu(), table.cpu(), lens.cpu(),
+                                                   backend="torch")
+    assert_partials_close(out.cpu(), lse.cpu(), ref_out, ref_lse, *triton_tolerances(triton_device, torch.bfloat16))
+
+
+@pytest.mark.parametrize("split", [0, 16, 100])
+def test_split_off_the_inner_step_is_refused(triton_device, split):
+    from writescope import triton_attention as ta
+
+    q, k_cache, v_cache, table, lens = make_paged([40], 16, device=triton_device)
+    with pytest.raises(ValueError, match=f"split must be a positive multiple of 32 tokens, got {split}"):
+        ta.paged_attention(q, [ops.KVSource(k_cache, v_cache, table, lens)], 0.1, split=split)
