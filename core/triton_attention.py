@@ -215,7 +215,8 @@ def _num_splits(block_table: torch.Tensor, block_size: int, split: int) -> int:
     return -(-capacity // split)
 
 
-def _source_split(q, source, split: int | None) -> int:
+def source_split_tokens(q, source, split: int | None = None) -> int:
+    """The split one source gets: `split` when given, else split_tokens of its work on q's device."""
     k_cache, _, block_table, _ = source
     if split is not None:
         return split
@@ -236,7 +237,7 @@ def paged_attention(q, sources, scale, split: int | None = None):
         raise ValueError(f"split must be a positive multiple of {BLOCK_N} tokens, got {split}")
     num_seqs, num_q_heads, _ = q.shape
     head_dim_v = sources[0][1].shape[-1]
-    source_splits = [_source_split(q, source, split) for source in sources]
+    source_splits = [source_split_tokens(q, source, split) for source in sources]
     splits = [_num_splits(table, k.shape[2], size)
               for (k, _, table, _), size in zip(sources, source_splits, strict=True)]
     total_splits = max(sum(splits), 1)

@@ -115,8 +115,7 @@ def bench_row(shape, seq_len, device, copy_bw, args):
     torch.testing.assert_close(ours, expected.float(), atol=2e-2, rtol=2e-2)
     ms = median_ms(lambda: triton_attention.paged_attention(q, [source], scale), device, args.warmup, args.repeats)
     # the split the work and the SMs chose, against the fixed 256-token split it replaced
-    split = triton_attention.split_tokens(1, shape.num_kv_heads, source.block_table.shape[1] * args.block_size,
-                                          triton_attention._num_sms(q.device))
+    split = triton_attention.source_split_tokens(q, source)
     fixed_ms = median_ms(lambda: triton_attention.paged_attention(q, [source], scale, split=256), device,
                          args.warmup, args.repeats)
     row = {"shape": shape.name, "seq_len": seq_len, "kernel_ms": ms, "split_tokens": split,
