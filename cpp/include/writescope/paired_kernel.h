@@ -58,7 +58,11 @@ struct PairedKernel {
 
   const PagedAttentionArgs& a;
   const int64_t group, dim_qk, dim_v, block_size, tile_blocks, tile_tokens, stride;
-  float* q32;      // [group, dim_qk], pre-scaled
+  // Pre-scaled q. AMX reads it as [group, dim_qk]; the FMA path pair-major within each chunk of
+  // heads a score step takes (for_each_score_chunk), [dim_qk / 2, heads, 2] from the chunk's first
+  // head's row, so the step's broadcasts are constant offsets from one pointer and the chunk's q
+  // stays as compact as its rows were (MLA's 16 x 576 q does not fit in L1 whole).
+  float* q32;
   float* scores;   // [group, stride]: scores, then probabilities
   float* row_max;  // [group]
   float* row_sum;  // [group]
@@ -299,14 +303,34 @@ struct PairedKernel {
     }
   }
 
+  // The chunks of heads the score loop takes together, in order: (first head, heads).
+  template <class F>
+  void for_each_score_chunk(F&& chunk) const {
+    int64_t g = 0;
+    if constexpr (kWide) {
+      for (; g + 8 <= group; g += 8) chunk(g, 8);
+    }
+    for (; g + kScoreHeads <= group; g += kScoreHeads) chunk(g, kScoreHeads);
+    for (; g + 2 <= group; g += 2) chunk(g, 2);
+    for (; g < group; ++g) chunk(g, 1);
+  }
+
   template <class Q>
   void load_queries_as(const WorkItem& item, Q) {
     const auto* q = static_cast<const typename Q::Elem*>(a.q) + item.seq * a.q_seq_stride;
-    const float scale = amx ? 1.0f : a.scale;  // the AMX path scales the scores instead
-    for (int64_t g = 0; g < group; ++g) {
-      const auto* row = q + (item.kv_head * group + g) * a.q_head_stride;
-      for (int64_t d = 0; d < dim_qk; ++d) q32[g * dim_qk + d] = Q::one(row + d) * scale;
+    const auto* first_row = q + item.kv_head * group * a.q_head_stride;
+    if (amx) {  // the AMX path scales the scores instead
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < dim_qk; ++d) q32[g * dim_qk + d] = Q::one(first_row + g * a.q_head_stride + d);
+      return;
     }
+    for_each_score_chunk([&](int64_t g0, int heads) {
+      float* chunk = q32 + g0 * dim_qk;
+      for (int gi = 0; gi < heads; ++gi) {
+        const auto* row = first_row + (g0 + gi) * a.q_head_stride;
+        for (int64_t d = 0; d < dim_qk; ++d) chunk[((d / 2) * heads + gi) * 2 + d % 2] = Q::one(row + d) * a.scale;
+      }
+    });
   }
 
   // Blocks [from, to) of the item (clipped to end_block), K and V whole, into L1: the item's first
@@ -358,22 +382,32 @@ struct PairedKernel {
   }
 
   // ------------------------------------------------------------------ scores
-  template <int GT, int TV, bool kFull>
+  // How a score step's TV token vectors lie: some partial, all whole, or whole and consecutive in
+  // one block (one K pointer serves them all).
+  enum class Vectors { kPartial, kWhole, kAdjacent };
+
+  template <int GT, int TV, Vectors kVectors>
   WS_INLINE void score_step(int64_t g0, const TokenVector* tv) {
     constexpr bool kChained = chained_scores(GT);
     V even_acc[GT * TV], odd_acc[GT * TV];
     for (int i = 0; i < GT * TV; ++i) even_acc[i] = odd_acc[i] = S::zero();
     const int64_t pairs = dim_qk / 2;
     const int64_t pair_stride = block_size * 2;
+    const float* q = q32 + g0 * dim_qk;  // pair-major over the chunk's GT heads
+    constexpr int64_t q_stride = 2 * GT;
+    const T* k = tv[0].k;
     Prefetcher prefetch = pf;
-    for (int64_t p = 0; p < pairs; ++p) {
+    for (int64_t p = 0; p < pairs; ++p, q += q_stride, k += pair_stride) {
       prefetch.step();
       V even[TV], odd[TV];
-      for (int ti = 0; ti < TV; ++ti)
-        Kv::template pairs<S>(tv[ti].k + p * pair_stride, kFull ? W : tv[ti].lanes, even[ti], odd[ti]);
+      for (int ti = 0; ti < TV; ++ti) {
+        if constexpr (kVectors == Vectors::kAdjacent) Kv::template pairs<S>(k + ti * W * 2, W, even[ti], odd[ti]);
+        else if constexpr (kVectors == Vectors::kWhole) Kv::template pairs<S>(tv[ti].k + p * pair_stride, W, even[ti], odd[ti]);
+        else Kv::template pairs<S>(tv[ti].k + p * pair_stride, tv[ti].lanes, even[ti], odd[ti]);
+      }
       for (int gi = 0; gi < GT; ++gi) {
-        const V qe = S::set1(q32[(g0 + gi) * dim_qk + 2 * p]);
-        const V qo = S::set1(q32[(g0 + gi) * dim_qk + 2 * p + 1]);
+        const V qe = S::set1(q[2 * gi]);
+        const V qo = S::set1(q[2 * gi + 1]);
         for (int ti = 0; ti < TV; ++ti) {
           if constexpr (kChained) {
             even_acc[gi * TV + ti] = S::fma(qo, odd[ti], S::fma(qe, even[ti], even_acc[gi * TV + ti]));
@@ -397,12 +431,16 @@ struct PairedKernel {
     constexpr int TV = score_vectors(GT);
     int64_t i = 0;
     for (; i + TV <= num_vectors; i += TV) {
-      bool full = true;
-      for (int ti = 0; ti < TV; ++ti) full = full && tv[i + ti].lanes == W;
-      if (full) score_step<GT, TV, true>(g0, tv + i);
-      else score_step<GT, TV, false>(g0, tv + i);
+      bool whole = true, adjacent = true;
+      for (int ti = 0; ti < TV; ++ti) {
+        whole = whole && tv[i + ti].lanes == W;
+        adjacent = adjacent && tv[i + ti].k == tv[i].k + ti * W * 2;
+      }
+      if (whole && adjacent) score_step<GT, TV, Vectors::kAdjacent>(g0, tv + i);
+      else if (whole) score_step<GT, TV, Vectors::kWhole>(g0, tv + i);
+      else score_step<GT, TV, Vectors::kPartial>(g0, tv + i);
     }
-    for (; i < num_vectors; ++i) score_step<GT, 1, false>(g0, tv + i);
+    for (; i < num_vectors; ++i) score_step<GT, 1, Vectors::kPartial>(g0, tv + i);
   }
 
   void compute_scores(int64_t blocks, int64_t count) {
@@ -423,13 +461,14 @@ struct PairedKernel {
       for (int64_t t = 0; t < valid; t += W)
         tv[num_vectors++] = TokenVector{k_blocks[j] + t * 2, valid - t < W ? valid - t : W, j * block_size + t};
     }
-    int64_t g = 0;
-    if constexpr (kWide) {
-      for (; g + 8 <= group; g += 8) score_heads<8>(g, tv, num_vectors);
-    }
-    for (; g + kScoreHeads <= group; g += kScoreHeads) score_heads<kScoreHeads>(g, tv, num_vectors);
-    for (; g + 2 <= group; g += 2) score_heads<2>(g, tv, num_vectors);
-    for (; g < group; ++g) score_heads<1>(g, tv, num_vectors);
+    for_each_score_chunk([&](int64_t g0, int heads) {
+      switch (heads) {
+        case 8: if constexpr (kWide) score_heads<8>(g0, tv, num_vectors); break;
+        case kScoreHeads: score_heads<kScoreHeads>(g0, tv, num_vectors); break;
+        case 2: score_heads<2>(g0, tv, num_vectors); break;
+        default: score_heads<1>(g0, tv, num_vectors); break;
+      }
+    });
   }
 
   // ------------------------------------------------------------------ softmax
