@@ -614,11 +614,11 @@ class DeepseekV4Engine(Engine):
         sequences = [self.cache.seqs[s] for s in seq_ids]
         positions = torch.tensor([s.num_tokens for s in sequences], device=device)
         slots = torch.tensor([s.slot for s in sequences], device=device)
-        self.store.step = self._entry_step(seq_ids, positions.cpu())
-        with _torch_threads(self.decode_threads):
+        with _torch_threads(self.decode_threads):  # the whole step, as Engine._decode_step says why
+            self.store.step = self._entry_step(seq_ids, positions.cpu())
             logits = self.forward.decode(torch.tensor([r.tokens[-1] for r in running], device=device), positions,
                                          slots)
-        tokens = self._sample(running, logits)
+            tokens = self._sample(running, logits)
         for kind, cache in self.cache.caches.items():
             cache.commit([s for s, closes in zip(seq_ids, self.store.step.closes[kind].tolist(), strict=True)
                           if closes])

@@ -573,11 +573,13 @@ class Engine:
         device = self.model.device
         view = self.cache.step_view(seq_ids)  # the step's tables, once, for every layer
         positions = torch.tensor([self.cache.seqs[s].num_tokens for s in seq_ids], device=device)
-        step = _Step(running, seq_ids, torch.tensor([r.tokens[-1] for r in running], device=device),
-                     self.model.rope(positions), view)
+        # The whole step at decode_threads, the rope and the sampling too: an op of the step on more
+        # torch threads leaves them spinning into the layers' CPU kernel, on the cores its pool runs on.
         with _torch_threads(self.decode_threads):
+            step = _Step(running, seq_ids, torch.tensor([r.tokens[-1] for r in running], device=device),
+                         self.model.rope(positions), view)
             values = self.executor.run(self.graph, self._bindings(), step)
-        tokens = self._sample(running, values["logits"])  # the host reads the logits: the device work is done
+            tokens = self._sample(running, values["logits"])  # the host reads the logits: the device work is done
         self._account(step.layers, len(running), time.perf_counter() - began)
         return tokens
 

@@ -3,6 +3,7 @@ constructions, kernel calls and copies per step at 2K and at 8K tokens (4x the s
 one device partial per layer. Counted with cProfile over real decode steps (tools/profile_step.py)."""
 
 import pytest
+import torch
 
 from writescope.engine import placement
 from writescope.tools.profile_step import calls_per_step, decoding_engine, profile_steps
@@ -45,3 +46,34 @@ def test_a_step_does_the_same_work_at_any_context(policy):
     shipped = 1 if policy == "monolithic" else 0
     assert long["attend"] == layers * (1 + cpu_side + shipped)
     assert long["torch.tensor"] <= 6  # the step's few small tensors (tokens, positions, slots), not per block
+
+
+def test_the_whole_decode_step_runs_at_the_decode_threads():
+    """The step's rope and sampling run at the engine's decode_threads as its layers do: an op at more
+    torch threads leaves them spinning into the layers' CPU kernel (measured: the kernel 1.28x slower
+    at 4 x 8K on a 2-vCPU host). Between steps torch is back at the threads it had."""
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    engine, steps = decoding_engine("tiny-qwen3-moe", "all_cpu", batch=1, context=256, block_size=4,
+                                    window_tokens=16, max_new_tokens=4)
+    seen = []
+
+    def recorded(name, fn):
+        def wrapper(*args, **kwargs):
+            seen.append((name, torch.get_num_threads()))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    try:
+        assert engine.decode_threads == 1  # a CPU-only engine's
+        engine.model.rope = recorded("rope", engine.model.rope)
+        engine._sample = recorded("sample", engine._sample)
+        next(steps)  # prefilled
+        seen.clear()
+        next(steps)  # one decode step
+        assert torch.get_num_threads() == 2
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(threads_before)
+    assert sorted({name for name, _ in seen}) == ["rope", "sample"], seen
+    assert {threads for _, threads in seen} == {1}, seen
