@@ -34,7 +34,6 @@ import itertools
 import logging
 import os
 import platform
-import statistics
 from dataclasses import asdict, dataclass
 
 import torch
@@ -214,11 +213,15 @@ def rescale_to_roofline(row: dict, shape: Shape, roofline: dict) -> None:
 def measure_roofline(read_bytes: int) -> dict:
     """The streaming read and the multiply-add peaks (FMA; bf16 dot and AMX tiles where the variant
     has them) with the kernel's variant and threads."""
-    read = statistics.median(_cpu.read_bandwidth(read_bytes, 7))
-    fma = statistics.median(_cpu.fma_peak(20_000_000, 5))
+    # Each the best of its repeats, as STREAM reports a peak: on a shared host a repeat during which
+    # one vCPU is stalled measures the neighbour, not the machine (seen on a 2-vCPU Zen 3: FMA repeats
+    # of 94, 94, 135, 182, 182 GFLOP/s back to back), and a median of such repeats overstates every
+    # fraction of the roofline.
+    read = max(_cpu.read_bandwidth(read_bytes, 7))
+    fma = max(_cpu.fma_peak(20_000_000, 5))
     has_dot = _cpu.__cpu_variant__ in ("amx", "avx512bf16")
-    dot = statistics.median(_cpu.dot_peak(10_000_000, 5)) if has_dot else None
-    tile = statistics.median(_cpu.tile_peak(2_000_000, 5)) if _cpu.__cpu_variant__ == "amx" else None
+    dot = max(_cpu.dot_peak(10_000_000, 5)) if has_dot else None
+    tile = max(_cpu.tile_peak(2_000_000, 5)) if _cpu.__cpu_variant__ == "amx" else None
     return {"read_gbps": read, "fma_gflops": fma, "dot_gflops": dot, "tile_gflops": tile}
 
 
