@@ -477,9 +477,12 @@ struct PairedKernel {
   }
 
   // ------------------------------------------------------------------ values
-  // GT heads x NV vectors of W dims, over the tile's tokens.
-  template <int GT, int NV>
+  // GT heads x NV vectors of W dims, over the tile's tokens. kRow: the scores' row stride when it is
+  // the usual kTileTokens (blocks of 16-64 tokens), so the GT heads' probabilities are constant
+  // offsets from one pointer; 0: `stride`, read at run time.
+  template <int GT, int NV, int64_t kRow>
   WS_INLINE void value_step(int64_t g0, int64_t d0, int64_t blocks, int64_t count, float* acc) {
+    const int64_t row = kRow != 0 ? kRow : stride;
     V sum[GT][NV];
     for (int gi = 0; gi < GT; ++gi)
       for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::load(acc + (g0 + gi) * dim_v + d0 + vi * W);
@@ -487,28 +490,26 @@ struct PairedKernel {
     Prefetcher prefetch = pf;
     for (int64_t j = 0; j < blocks; ++j) {
       const int64_t valid = count - j * block_size < block_size ? count - j * block_size : block_size;
-      const T* v_block = v_blocks[j] + d0 * 2;
-      const float* p_block = scores + j * block_size;
+      const T* v = v_blocks[j] + d0 * 2;
+      const float* p = scores + g0 * row + j * block_size;  // head g0 + gi's at p[gi * row]
       // A lone last token (odd count) pairs with a token past the end: only its even half is used,
       // so garbage (even NaN) in the unused half never reaches the sum.
       const int64_t full_pairs = valid / 2;
-      for (int64_t tp = 0; tp < full_pairs; ++tp) {
+      for (int64_t tp = 0; tp < full_pairs; ++tp, v += pair_stride, p += 2) {
         prefetch.step();
         V first[NV], second[NV];
-        for (int vi = 0; vi < NV; ++vi)
-          Kv::template pairs<S>(v_block + tp * pair_stride + vi * W * 2, W, first[vi], second[vi]);
+        for (int vi = 0; vi < NV; ++vi) Kv::template pairs<S>(v + vi * W * 2, W, first[vi], second[vi]);
         for (int gi = 0; gi < GT; ++gi) {
-          const V pf = S::set1(p_block[(g0 + gi) * stride + 2 * tp]);
-          const V ps = S::set1(p_block[(g0 + gi) * stride + 2 * tp + 1]);
+          const V pf = S::set1(p[gi * row]);
+          const V ps = S::set1(p[gi * row + 1]);
           for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::fma(ps, second[vi], S::fma(pf, first[vi], sum[gi][vi]));
         }
       }
       if (valid % 2) {
         V first[NV], unused[NV];
-        for (int vi = 0; vi < NV; ++vi)
-          Kv::template pairs<S>(v_block + full_pairs * pair_stride + vi * W * 2, W, first[vi], unused[vi]);
+        for (int vi = 0; vi < NV; ++vi) Kv::template pairs<S>(v + vi * W * 2, W, first[vi], unused[vi]);
         for (int gi = 0; gi < GT; ++gi) {
-          const V pf = S::set1(p_block[(g0 + gi) * stride + 2 * full_pairs]);
+          const V pf = S::set1(p[gi * row]);
           for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::fma(pf, first[vi], sum[gi][vi]);
         }
       }
@@ -520,9 +521,15 @@ struct PairedKernel {
 
   template <int GT, int NV>
   void value_heads(int64_t g0, int64_t blocks, int64_t count, float* acc) {
+    if (stride == kTileTokens) value_dims<GT, NV, kTileTokens>(g0, blocks, count, acc);
+    else value_dims<GT, NV, 0>(g0, blocks, count, acc);
+  }
+
+  template <int GT, int NV, int64_t kRow>
+  void value_dims(int64_t g0, int64_t blocks, int64_t count, float* acc) {
     int64_t d = 0;
-    for (; d + NV * W <= dim_v; d += NV * W) value_step<GT, NV>(g0, d, blocks, count, acc);
-    for (; d + W <= dim_v; d += W) value_step<GT, 1>(g0, d, blocks, count, acc);
+    for (; d + NV * W <= dim_v; d += NV * W) value_step<GT, NV, kRow>(g0, d, blocks, count, acc);
+    for (; d + W <= dim_v; d += W) value_step<GT, 1, kRow>(g0, d, blocks, count, acc);
     if (d < dim_v) value_tail<GT>(g0, d, blocks, count, acc);
   }
 
