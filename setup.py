@@ -7,6 +7,7 @@ from setuptools import setup
 
 CPP_SOURCES = [
     "cpp/src/bindings.cpp",
+    "cpp/src/dense.cpp",
     "cpp/src/launcher.cpp",
     "cpp/src/runtime.cpp",
     "cpp/src/thread_pool.cpp",

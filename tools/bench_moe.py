@@ -1,7 +1,11 @@
-"""The MoE layer's two paths through the routed experts, timed in one engine on the same decode steps:
-every (token, expert) pair at once over the gathered weights (what a decode step takes) against
-each chosen expert once over its tokens (what a prefill takes). The paths alternate in blocks of
-`--block` steps so that the host's drift falls on both alike; the median step of each is reported.
+"""A decode step's dense paths, timed in one engine on the same decode steps:
+- `cpu_kernels`: the projections and the routed experts through the C++ extension (`writescope.dense`:
+  each weight read once for the step's rows, each pair's expert read in place), what a CPU decode
+  step takes;
+- `gathered`: torch, every (token, expert) pair at once over the gathered weights;
+- `one_by_one`: torch, each chosen expert once over its tokens (what a prefill takes).
+The paths take turns in blocks of `--block` steps so that the host's drift falls on all alike; the
+median step of each is reported.
 
     python tools/bench_moe.py --out bench_results/moe.json
     python tools/bench_moe.py --batches 1 4 --context 8192 --steps 60
@@ -13,20 +17,21 @@ import argparse
 import logging
 import statistics
 
+from writescope import dense
 from writescope.tools.profile_step import decoding_engine
 from writescope.tools.results import check_positive, host_info, write_json
 
 log = logging.getLogger("bench_moe")
-PATHS = ("gathered", "one_by_one")
+PATHS = ("cpu_kernels", "gathered", "one_by_one")
 
 
 def interleaved_steps(preset: str, policy: str, batch: int, context: int, steps: int, block: int,
                       dtype: str) -> dict[str, list[float]]:
-    """Decode step seconds of each path: `steps` each, in alternating blocks of `block` steps, after
+    """Decode step seconds of each path: `steps` each, in blocks of `block` steps taking turns, after
     4 warm-up steps."""
     per_path = steps // block * block
     engine, decode = decoding_engine(preset, policy, batch, context, dtype=dtype,
-                                     max_new_tokens=2 * per_path + 8)
+                                     max_new_tokens=len(PATHS) * per_path + 8)
     times: dict[str, list[float]] = {path: [] for path in PATHS}
     try:
         next(decode)  # prefilled
@@ -35,14 +40,16 @@ def interleaved_steps(preset: str, policy: str, batch: int, context: int, steps:
         stacked = engine.model.stacked_experts
         if not stacked:
             raise ValueError(f"{preset} has no stacked MoE layer: nothing to compare")
-        for i in range(2 * per_path):
-            path = PATHS[(i // block) % 2]
-            engine.model.stacked_experts = stacked if path == "gathered" else {}
+        for i in range(len(PATHS) * per_path):
+            path = PATHS[(i // block) % len(PATHS)]
+            engine.model.stacked_experts = {} if path == "one_by_one" else stacked
+            dense.use_cpu_kernels = path == "cpu_kernels"
             before = engine.stats["decode_s"]
             next(decode)
             times[path].append(engine.stats["decode_s"] - before)
-        engine.model.stacked_experts = stacked
     finally:
+        engine.model.stacked_experts = stacked
+        dense.use_cpu_kernels = True
         engine.shutdown()
     return times
 
@@ -70,11 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         medians = {path: statistics.median(times[path]) * 1e3 for path in PATHS}
         rows.append({"batch": batch, "context": args.context, "steps": len(times["gathered"]),
                      **{f"{path}_ms": medians[path] for path in PATHS},
-                     "one_by_one_over_gathered": medians["one_by_one"] / medians["gathered"]})
+                     **{f"{path}_over_cpu_kernels": medians[path] / medians["cpu_kernels"] for path in PATHS[1:]}})
     write_json(args.out, {"args": vars(args), "host": host_info(), "rows": rows})
-    lines = ["| batch | context | gathered ms | one by one ms | one by one / gathered |", "|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['context']} | {r['gathered_ms']:.2f} | {r['one_by_one_ms']:.2f} | "
-              f"{r['one_by_one_over_gathered']:.2f} |" for r in rows]
+    lines = ["| batch | context | cpu kernels ms | torch gathered ms | torch one by one ms | gathered / cpu kernels "
+             "| one by one / cpu kernels |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['context']} | {r['cpu_kernels_ms']:.2f} | {r['gathered_ms']:.2f} | "
+              f"{r['one_by_one_ms']:.2f} | {r['gathered_over_cpu_kernels']:.2f} | "
+              f"{r['one_by_one_over_cpu_kernels']:.2f} |" for r in rows]
     log.info("%s, %s, %s: median decode step of each path\n%s", args.preset, args.policy, args.dtype, "\n".join(lines))
     return 0
 

@@ -8,7 +8,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from writescope import ops
+from writescope import dense, ops
 
 
 def rms_norm(x, weight, eps):
@@ -82,8 +82,8 @@ def apply_rope_interleaved(x, rotation):
 
 def swiglu(x, gate_up, down):
     # x [T, hidden]; gate_up [2 * inter, hidden] (gate rows, then up rows); down [hidden, inter]
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    gate, up = dense.linear(x, gate_up).chunk(2, dim=-1)
+    return dense.linear(F.silu(gate) * up, down)
 
 
 def causal_attention(q, k, v, scale, prefix=()):

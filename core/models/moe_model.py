@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from writescope import dense
 from writescope.models.config import ModelConfig
 from writescope.models.layers import (
     apply_rope_interleaved,
@@ -118,7 +119,7 @@ class MoEModel:
         # hidden [T, hidden] -> [T, vocab] float32
         x = rms_norm(hidden, self.w["model.norm.weight"], self.config.rms_norm_eps)
         head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
-        return F.linear(x, head).float()
+        return dense.linear(x, head).float()
 
     # ------------------------------------------------------------------ attention
     def attention_inputs(self, layer, hidden, rope):
@@ -130,7 +131,7 @@ class MoEModel:
     def _gqa_inputs(self, layer, x, rope):
         cfg, p = self.config, f"model.layers.{layer}.self_attn."
         tokens, q_width, kv_width = x.shape[0], cfg.num_q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = F.linear(x, self.w[p + "qkv_proj.weight"]).split([q_width, kv_width, kv_width], dim=-1)
+        q, k, v = dense.linear(x, self.w[p + "qkv_proj.weight"]).split([q_width, kv_width, kv_width], dim=-1)
         q = q.view(tokens, cfg.num_q_heads, cfg.head_dim)
         k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
         v = v.reshape(tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -144,14 +145,14 @@ class MoEModel:
         cfg, p = self.config, f"model.layers.{layer}.self_attn."
         tokens = x.shape[0]
         if cfg.q_lora_rank is None:
-            q = F.linear(x, self.w[p + "q_proj.weight"])
+            q = dense.linear(x, self.w[p + "q_proj.weight"])
         else:
-            q_a = rms_norm(F.linear(x, self.w[p + "q_a_proj.weight"]), self.w[p + "q_a_layernorm.weight"],
+            q_a = rms_norm(dense.linear(x, self.w[p + "q_a_proj.weight"]), self.w[p + "q_a_layernorm.weight"],
                            cfg.rms_norm_eps)
-            q = F.linear(q_a, self.w[p + "q_b_proj.weight"])
+            q = dense.linear(q_a, self.w[p + "q_b_proj.weight"])
         q = q.view(tokens, cfg.num_q_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        latent, k_pe = F.linear(x, self.w[p + "kv_a_proj_with_mqa.weight"]).split(
+        latent, k_pe = dense.linear(x, self.w[p + "kv_a_proj_with_mqa.weight"]).split(
             [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         latent = rms_norm(latent, self.w[p + "kv_a_layernorm.weight"], cfg.rms_norm_eps)
         q_pe = apply_rope_interleaved(q_pe, rotation)
@@ -167,7 +168,7 @@ class MoEModel:
         if cfg.is_mla:  # latent -> per-head values
             attention = torch.einsum("thc,hvc->thv", attention, self.w[f"absorbed.{layer}.w_uv"])
         o_proj = self.w[f"model.layers.{layer}.self_attn.o_proj.weight"]
-        out = F.linear(attention.reshape(attention.shape[0], -1), o_proj)
+        out = dense.linear(attention.reshape(attention.shape[0], -1), o_proj)
         return hidden + out
 
     # ------------------------------------------------------------------ feed-forward
@@ -185,7 +186,10 @@ class MoEModel:
         weights, experts = self._route(layer, x)  # [T, top_k] each
         stacked = self.stacked_experts.get(layer)
         if stacked is not None and experts.numel() <= self.config.num_experts:
-            out = _gathered_experts(x, weights, experts, *stacked)
+            if dense.takes_routed_experts(x, weights, *stacked):
+                out = dense.routed_experts(x, weights, experts, *stacked)
+            else:
+                out = _gathered_experts(x, weights, experts, *stacked)
         else:
             out = self._experts_one_by_one(layer, x, weights, experts)
         if self.config.n_shared_experts:
@@ -208,7 +212,7 @@ class MoEModel:
     def _route(self, layer, x):
         cfg = self.config
         gate_name = "block_sparse_moe.gate" if cfg.arch == "mixtral" else "mlp.gate"
-        logits = F.linear(x, self.w[f"model.layers.{layer}.{gate_name}.weight"])
+        logits = dense.linear(x, self.w[f"model.layers.{layer}.{gate_name}.weight"])
         if cfg.arch == "deepseek_v2":
             scores = F.linear(x.float(), self.w[f"model.layers.{layer}.{gate_name}.weight"].float()).softmax(-1)
             if cfg.topk_method == "group_limited_greedy":

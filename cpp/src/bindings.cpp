@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "dense.h"
 #include "launcher.h"
 #include "runtime.h"
 
@@ -27,6 +28,14 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("merge_partials", &merge_partials, py::arg("outs").noconvert(), py::arg("lses").noconvert(),
         py::arg("out").noconvert(), py::arg("lse").noconvert(),
         "Merges normalised partials by their natural-log LSE; writes out and lse in place.");
+  m.def("linear_bf16", &linear_bf16, py::arg("x").noconvert(), py::arg("w").noconvert(), py::arg("out").noconvert(),
+        "x [rows, in] bf16 times w [out, in] bf16 transposed -> out [rows, out] bf16, written in place; float32 "
+        "accumulation, rounded once.");
+  m.def("moe_experts_bf16", &moe_experts_bf16, py::arg("x").noconvert(), py::arg("weights").noconvert(),
+        py::arg("experts").noconvert(), py::arg("gate_up").noconvert(), py::arg("down").noconvert(),
+        py::arg("out").noconvert(),
+        "Routed SwiGLU experts of a few tokens: x [tokens, hidden], weights and experts [tokens, top_k], gate_up "
+        "[E, 2 * inter, hidden], down [E, hidden, inter] -> out [tokens, hidden] bf16, written in place.");
   m.def("available_variants", &available_variants, "ISA variants this CPU runs, best first.");
   m.def(
       "set_variant",

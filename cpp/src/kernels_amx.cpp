@@ -15,6 +15,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
 #include "writescope/attention_kernel.h"
+#include "writescope/dense_kernel.h"
 #include "writescope/roofline_kernel.h"
 #include "writescope/simd_avx512bf16.h"
 
@@ -59,6 +60,10 @@ double read_sum_amx(const float* data, int64_t count) { return read_sum<Avx512Am
 double fma_burst_amx(int64_t iterations) { return FmaBurst<Avx512AmxSimd>::run(iterations); }
 double dot_burst_amx(int64_t iterations) { return DotBurst<Avx512AmxSimd>::run(iterations); }
 double tile_burst_amx(int64_t iterations) { return TileBurst::run(iterations); }
+void dot_rows_amx(const float* x_split, int64_t rows, int64_t padded_pairs, const uint16_t* w, int64_t w_stride,
+                   int64_t pairs, int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
+  dot_rows<Avx512AmxSimd>(x_split, rows, padded_pairs, w, w_stride, pairs, n_begin, n_end, out, out_stride);
+}
 }  // namespace
 }  // namespace writescope
 #pragma GCC pop_options
@@ -68,7 +73,7 @@ const IsaKernels& amx_kernels() {
   static const IsaKernels kernels{"amx", &attend_item_amx, &read_sum_amx, &fma_burst_amx,
                                   FmaBurst<Avx512AmxSimd>::kFlopsPerIteration, &dot_burst_amx,
                                   DotBurst<Avx512AmxSimd>::kFlopsPerIteration, &tile_burst_amx,
-                                  TileBurst::kFlopsPerIteration};
+                                  TileBurst::kFlopsPerIteration, &dot_rows_amx};
   return kernels;
 }
 }  // namespace writescope

@@ -13,6 +13,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 #include "writescope/attention_kernel.h"
+#include "writescope/dense_kernel.h"
 #include "writescope/roofline_kernel.h"
 #include "writescope/simd_avx2.h"
 
@@ -23,6 +24,10 @@ void attend_item_avx2(const PagedAttentionArgs& args, const WorkItem& item, Work
 }
 double read_sum_avx2(const float* data, int64_t count) { return read_sum<Avx2Simd>(data, count); }
 double fma_burst_avx2(int64_t iterations) { return FmaBurst<Avx2Simd>::run(iterations); }
+void dot_rows_avx2(const float* x_split, int64_t rows, int64_t padded_pairs, const uint16_t* w, int64_t w_stride,
+                   int64_t pairs, int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
+  dot_rows<Avx2Simd>(x_split, rows, padded_pairs, w, w_stride, pairs, n_begin, n_end, out, out_stride);
+}
 }  // namespace
 }  // namespace writescope
 #pragma GCC pop_options
@@ -30,7 +35,7 @@ double fma_burst_avx2(int64_t iterations) { return FmaBurst<Avx2Simd>::run(itera
 namespace writescope {
 const IsaKernels& avx2_kernels() {
   static const IsaKernels kernels{"avx2", &attend_item_avx2, &read_sum_avx2, &fma_burst_avx2,
-                                  FmaBurst<Avx2Simd>::kFlopsPerIteration, nullptr, 0, nullptr, 0};
+                                  FmaBurst<Avx2Simd>::kFlopsPerIteration, nullptr, 0, nullptr, 0, &dot_rows_avx2};
   return kernels;
 }
 }  // namespace writescope

@@ -13,6 +13,7 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c")
 #include "writescope/attention_kernel.h"
+#include "writescope/dense_kernel.h"
 #include "writescope/roofline_kernel.h"
 #include "writescope/simd_avx512bf16.h"
 
@@ -24,6 +25,10 @@ void attend_item_avx512bf16(const PagedAttentionArgs& args, const WorkItem& item
 double read_sum_avx512bf16(const float* data, int64_t count) { return read_sum<Avx512Bf16Simd>(data, count); }
 double fma_burst_avx512bf16(int64_t iterations) { return FmaBurst<Avx512Bf16Simd>::run(iterations); }
 double dot_burst_avx512bf16(int64_t iterations) { return DotBurst<Avx512Bf16Simd>::run(iterations); }
+void dot_rows_avx512bf16(const float* x_split, int64_t rows, int64_t padded_pairs, const uint16_t* w, int64_t w_stride,
+                   int64_t pairs, int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
+  dot_rows<Avx512Bf16Simd>(x_split, rows, padded_pairs, w, w_stride, pairs, n_begin, n_end, out, out_stride);
+}
 }  // namespace
 }  // namespace writescope
 #pragma GCC pop_options
@@ -32,7 +37,7 @@ namespace writescope {
 const IsaKernels& avx512bf16_kernels() {
   static const IsaKernels kernels{"avx512bf16", &attend_item_avx512bf16, &read_sum_avx512bf16, &fma_burst_avx512bf16,
                                   FmaBurst<Avx512Bf16Simd>::kFlopsPerIteration, &dot_burst_avx512bf16,
-                                  DotBurst<Avx512Bf16Simd>::kFlopsPerIteration, nullptr, 0};
+                                  DotBurst<Avx512Bf16Simd>::kFlopsPerIteration, nullptr, 0, &dot_rows_avx512bf16};
   return kernels;
 }
 }  // namespace writescope

@@ -1,4 +1,5 @@
-"""tools/bench_moe.py times both MoE paths on the same engine's decode steps and says which is which."""
+"""tools/bench_moe.py times the dense paths (C++ kernels, torch gathered, torch one by one) on the same
+engine's decode steps and says which is which."""
 
 import json
 
@@ -7,27 +8,36 @@ import pytest
 from writescope.tools import bench_moe
 
 
-def test_both_paths_are_timed_on_decode_steps(tmp_path, monkeypatch):
+def test_every_path_is_timed_on_decode_steps(tmp_path, monkeypatch):
     monkeypatch.setenv("WRITESCOPE_CACHE_DIR", str(tmp_path))
     out = tmp_path / "moe.json"
-    bench_moe.main(["--batches", "2", "--context", "256", "--steps", "4", "--block", "2", "--dtype", "float32",
-                    "--out", str(out)])
+    bench_moe.main(["--batches", "2", "--context", "256", "--steps", "4", "--block", "2", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert row["batch"] == 2 and row["steps"] == 4
-    assert row["gathered_ms"] > 0 and row["one_by_one_ms"] > 0
-    assert row["one_by_one_over_gathered"] == pytest.approx(row["one_by_one_ms"] / row["gathered_ms"])
+    assert row["cpu_kernels_ms"] > 0 and row["gathered_ms"] > 0 and row["one_by_one_ms"] > 0
+    assert row["one_by_one_over_cpu_kernels"] == pytest.approx(row["one_by_one_ms"] / row["cpu_kernels_ms"])
+    assert row["gathered_over_cpu_kernels"] == pytest.approx(row["gathered_ms"] / row["cpu_kernels_ms"])
 
 
-def test_the_paths_really_alternate(monkeypatch):
-    calls = []
+def test_the_paths_really_take_turns(monkeypatch):
+    calls = {"cpu_kernels": 0, "gathered": 0}
+    from writescope import dense
     from writescope.models import moe_model
 
-    original = moe_model._gathered_experts
-    monkeypatch.setattr(moe_model, "_gathered_experts", lambda *args: calls.append(1) or original(*args))
-    times = bench_moe.interleaved_steps("tiny-qwen3-moe", "all_cpu", 1, 128, steps=2, block=1, dtype="float32")
-    assert len(times["gathered"]) == len(times["one_by_one"]) == 2
+    def counted(name, original):
+        def call(*args):
+            calls[name] += 1
+            return original(*args)
+        return call
+
+    monkeypatch.setattr(dense, "routed_experts", counted("cpu_kernels", dense.routed_experts))
+    monkeypatch.setattr(moe_model, "_gathered_experts", counted("gathered", moe_model._gathered_experts))
+    times = bench_moe.interleaved_steps("tiny-qwen3-moe", "all_cpu", 1, 128, steps=2, block=1, dtype="bfloat16")
+    assert len(times["cpu_kernels"]) == len(times["gathered"]) == len(times["one_by_one"]) == 2
     layers = 4  # tiny-qwen3-moe: every layer MoE
-    assert len(calls) == (4 + 2) * layers  # the 4 warm-up steps and the 2 gathered ones, not the other 2
+    # the 4 warm-up steps and the 2 timed ones take the C++ experts; the torch gathered path its 2 steps
+    assert calls == {"cpu_kernels": (4 + 2) * layers, "gathered": 2 * layers}
+    assert dense.use_cpu_kernels  # restored
 
 
 @pytest.mark.parametrize("flags, message", [(["--steps", "0"], "--steps"), (["--batches", "0"], "--batches"),

@@ -124,6 +124,9 @@ struct IsaKernels {
   int64_t dot_flops_per_iteration;
   double (*tile_burst)(int64_t iterations);  // AMX bf16 tile products' peak; nullptr: none
   int64_t tile_flops_per_iteration;
+  // Rows x bf16 weights, dot_rows in dense_kernel.h.
+  void (*dot_rows)(const float* x_split, int64_t rows, int64_t padded_pairs, const uint16_t* w, int64_t w_stride,
+                   int64_t pairs, int64_t n_begin, int64_t n_end, float* out, int64_t out_stride);
 };
 
 const IsaKernels& scalar_kernels();
