@@ -1,5 +1,5 @@
-"""A decode step's dense products on the CPU: the step's few rows times bf16 weights, through the
-C++ extension.
+"""A decode step's dense products (and its RMSNorms) on the CPU: the step's few rows times bf16
+weights, through the C++ extension.
 
 torch's bf16 matmul on a CPU without bf16 dot products (AVX2, AVX-512 without BF16) runs a loop of
 about 3 GMAC/s (measured on a 2-vCPU Zen 3: 66 us for 4 rows x [384, 128]), so on such a host a
@@ -19,6 +19,9 @@ import torch.nn.functional as F
 
 # Rows above this are a prefill's: torch's blocked matmul is the better tool there.
 MAX_DECODE_ROWS = 64
+# A decode step's norms (its rows times the heads for q and k norms); a prefill's go to torch's
+# vectorised, threaded ops.
+MAX_NORM_ELEMENTS = 1 << 16
 # Tests and benchmarks turn the kernels off to compare against torch on the same weights.
 use_cpu_kernels = True
 
@@ -49,6 +52,19 @@ def linear(x, weight):
     out = torch.empty((rows, weight.shape[0]), dtype=torch.bfloat16)
     _cpu().linear_bf16(_bits(x_rows), _bits(weight), _bits(out))
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def rms_norm(x, weight, eps: float):
+    """x [..., dim] bf16, weight [dim] bf16 -> [..., dim]: the reference models' RMSNorm (float32
+    statistics, the normalised row rounded to bf16, times the weight) in one call; None when these
+    are not the C++ kernel's (the caller's torch path runs them)."""
+    if not (_takes(x, weight) and weight.dim() == 1 and x.dim() >= 1 and x.shape[-1] == weight.shape[0]
+            and 0 < x.numel() <= MAX_NORM_ELEMENTS):
+        return None
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty_like(rows)
+    _cpu().rms_norm_bf16(_bits(rows), _bits(weight), float(eps), _bits(out))
+    return out.view(x.shape)
 
 
 def takes_routed_experts(x, weights, gate_up, down) -> bool:

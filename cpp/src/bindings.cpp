@@ -31,6 +31,10 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("linear_bf16", &linear_bf16, py::arg("x").noconvert(), py::arg("w").noconvert(), py::arg("out").noconvert(),
         "x [rows, in] bf16 times w [out, in] bf16 transposed -> out [rows, out] bf16, written in place; float32 "
         "accumulation, rounded once.");
+  m.def("rms_norm_bf16", &rms_norm_bf16, py::arg("x").noconvert(), py::arg("weight").noconvert(), py::arg("eps"),
+        py::arg("out").noconvert(),
+        "x [rows, dim] bf16 -> out [rows, dim] bf16, written in place: RMSNorm with weight [dim] bf16, as the "
+        "reference models compute it (float32 statistics, rounded to bf16, times the weight).");
   m.def("moe_experts_bf16", &moe_experts_bf16, py::arg("x").noconvert(), py::arg("weights").noconvert(),
         py::arg("experts").noconvert(), py::arg("gate_up").noconvert(), py::arg("down").noconvert(),
         py::arg("out").noconvert(),

@@ -108,6 +108,39 @@ void linear_bf16(const py::array& x, const py::array& w, py::array& out) {
   for (int64_t i = 0; i < rows * outputs; ++i) out_bits[i] = round_to_bf16(sums[i]);
 }
 
+void rms_norm_bf16(const py::array& x, const py::array& weight, double eps, py::array& out) {
+  check_bf16_matrix(x, "x", 2, "[rows, dim]");
+  check_bf16_matrix(weight, "weight", 1, "[dim]");
+  check_bf16_matrix(out, "out", 2, "[rows, dim]");
+  check_writeable(out, "out");
+  const int64_t rows = x.shape(0), dim = x.shape(1);
+  check_dim(weight, "weight", 0, dim, "dim, as in x");
+  check_dim(out, "out", 0, rows, "rows, as in x");
+  check_dim(out, "out", 1, dim, "dim, as in x");
+  if (!(eps >= 0.0) || !std::isfinite(eps)) fail("eps must be finite and >= 0, got " + std::to_string(eps));
+  const auto* x_bits = static_cast<const uint16_t*>(x.data());
+  const auto* w_bits = static_cast<const uint16_t*>(weight.data());
+  auto* out_bits = static_cast<uint16_t*>(out.mutable_data());
+  py::gil_scoped_release release;
+  const float epsilon = static_cast<float>(eps);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = x_bits + r * dim;
+    double squares = 0.0;  // exact for bf16 squares of any row torch's float32 mean handles
+    for (int64_t d = 0; d < dim; ++d) {
+      const double v = bf16_to_float(row[d]);
+      squares += v * v;
+    }
+    // torch's order of rounding: the normalised row in float32, rounded to bf16, then times the
+    // weight in bf16 arithmetic (float32 product, rounded)
+    const float mean_square = static_cast<float>(squares / static_cast<double>(dim));
+    const float inv = 1.0f / std::sqrt(mean_square + epsilon);
+    for (int64_t d = 0; d < dim; ++d) {
+      const float normalised = bf16_to_float(round_to_bf16(bf16_to_float(row[d]) * inv));
+      out_bits[r * dim + d] = round_to_bf16(bf16_to_float(w_bits[d]) * normalised);
+    }
+  }
+}
+
 void moe_experts_bf16(const py::array& x, const py::array& weights, const py::array& experts,
                       const py::array& gate_up, const py::array& down, py::array& out) {
   check_bf16_matrix(x, "x", 2, "[tokens, hidden]");

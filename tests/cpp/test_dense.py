@@ -1,5 +1,6 @@
-"""The decode step's dense products (writescope.dense, _cpu.linear_bf16 and _cpu.moe_experts_bf16)
-against torch on the same bf16 inputs, on every ISA variant this CPU runs, and their argument checks."""
+"""The decode step's dense products and norms (writescope.dense: _cpu.linear_bf16, _cpu.moe_experts_bf16,
+_cpu.rms_norm_bf16) against torch on the same bf16 inputs, on every ISA variant this CPU runs, and
+their argument checks."""
 
 import numpy as np
 import pytest
@@ -160,3 +161,39 @@ def test_experts_shape_mismatches_are_refused():
         _cpu.moe_experts_bf16(bits(x), bits(weights), experts.int().numpy(), bits(gate_up), bits(down), out)
     with pytest.raises(ValueError, match="weights: dimension 0 .tokens, as in x."):
         _cpu.moe_experts_bf16(bits(x), bits(weights[:3].contiguous()), experts.numpy(), bits(gate_up), bits(down), out)
+
+
+@pytest.mark.parametrize("shape", [(4, 128), (4, 4, 32), (3, 1, 32), (2, 2048), (1, 6)])
+def test_rms_norm_is_torch_bit_for_bit(shape):
+    from writescope.models import layers
+
+    x, weight = bf16(*shape, seed=30, scale=3.0), bf16(shape[-1], seed=31)
+    fused = dense.rms_norm(x, weight, 1e-6)
+    assert fused is not None and fused.shape == x.shape
+    dense.use_cpu_kernels = False
+    try:
+        assert dense.rms_norm(x, weight, 1e-6) is None  # turned off: the caller's torch path
+        reference = layers.rms_norm(x, weight, 1e-6)
+    finally:
+        dense.use_cpu_kernels = True
+    assert torch.equal(fused, reference)
+
+
+def test_rms_norm_of_a_prefill_or_another_dtype_is_left_to_torch():
+    weight = bf16(32, seed=32)
+    assert dense.rms_norm(bf16(dense.MAX_NORM_ELEMENTS // 32 + 1, 32), weight, 1e-6) is None
+    assert dense.rms_norm(bf16(4, 32).float(), weight.float(), 1e-6) is None
+    assert dense.rms_norm(bf16(4, 16), weight, 1e-6) is None  # widths differ: torch says how
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf")])
+def test_rms_norm_refuses_a_bad_eps(eps):
+    out = bits(torch.empty(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        _cpu.rms_norm_bf16(bits(bf16(2, 8)), bits(bf16(8)), eps, out)
+
+
+def test_rms_norm_refuses_a_weight_of_another_width():
+    out = bits(torch.empty(2, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"weight: dimension 0 \(dim, as in x\) must be 8"):
+        _cpu.rms_norm_bf16(bits(bf16(2, 8)), bits(bf16(6)), 1e-6, out)
