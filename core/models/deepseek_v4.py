@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from writescope import ops
+from writescope import dense, ops
 from writescope.models.config import RopeConfig
 from writescope.models.layers import apply_rope_interleaved, rope_frequencies
 
@@ -464,7 +464,7 @@ class DeepseekV4Model:
         hidden = (pre[..., None] * streams).sum(dim=1).to(streams.dtype)
         hidden = rms_norm_fp32_weight(hidden, self.w["norm.weight"], cfg.rms_norm_eps)
         head = self.w.get("head.weight", self.w["embed.weight"])
-        return F.linear(hidden, head).float()
+        return dense.linear(hidden, head).float()
 
     def rotations(self, positions):
         """positions [T] -> {"main", "compress"}: the rope rotations every layer of a step shares."""
@@ -492,11 +492,12 @@ class DeepseekV4Model:
         collapsed, post, comb = self._collapse(layer, "attn", streams)
         x = rms_norm_fp32_weight(collapsed, self.w[f"layers.{layer}.attn_norm.weight"], cfg.rms_norm_eps)
         rotation = rotations[self._rope_type(layer)]
-        q_residual = rms_norm_fp32_weight(F.linear(x, self.w[p + "wq_a.weight"]), self.w[p + "q_norm.weight"],
+        q_residual = rms_norm_fp32_weight(dense.linear(x, self.w[p + "wq_a.weight"]), self.w[p + "q_norm.weight"],
                                           cfg.rms_norm_eps)
-        q = F.linear(q_residual, self.w[p + "wq_b.weight"]).view(x.shape[0], cfg.num_q_heads, cfg.head_dim)
+        q = dense.linear(q_residual, self.w[p + "wq_b.weight"]).view(x.shape[0], cfg.num_q_heads, cfg.head_dim)
         q = apply_trailing_rope(unweighted_rms_norm(q, cfg.rms_norm_eps), rotation)
-        kv = rms_norm_fp32_weight(F.linear(x, self.w[p + "wkv.weight"]), self.w[p + "norm.weight"], cfg.rms_norm_eps)
+        kv = rms_norm_fp32_weight(dense.linear(x, self.w[p + "wkv.weight"]), self.w[p + "norm.weight"],
+                                  cfg.rms_norm_eps)
         kv = apply_trailing_rope(kv[:, None, :], rotation)[:, 0]
         return x, q_residual, q, kv, post, comb
 
@@ -512,7 +513,7 @@ class DeepseekV4Model:
         grouped = attention.reshape(tokens, groups, -1).transpose(0, 1)  # [groups, T, heads * dim / groups]
         wo_a = self.w[p + "wo_a.weight"].view(groups, cfg.o_lora_rank, -1).transpose(1, 2)
         low_rank = torch.bmm(grouped, wo_a).transpose(0, 1).reshape(tokens, -1)  # [T, groups * o_lora_rank]
-        return self._expand(streams, F.linear(low_rank, self.w[p + "wo_b.weight"]), post, comb)
+        return self._expand(streams, dense.linear(low_rank, self.w[p + "wo_b.weight"]), post, comb)
 
     def sinks(self, layer):
         return self.w[f"layers.{layer}.attn.attn_sink"]
@@ -523,8 +524,8 @@ class DeepseekV4Model:
         the position bias of each token's slot in its window (slots_in_window [T])."""
         p = f"layers.{layer}.attn." + ("indexer.compressor." if indexer else "compressor.")
         # the position bias stays in float32 (as the checkpoint keeps it), so the gate does too
-        gate = F.linear(x, self.w[p + "wgate.weight"]) + self.w[p + "ape"][slots_in_window].float()
-        return F.linear(x, self.w[p + "wkv.weight"]), gate
+        gate = dense.linear(x, self.w[p + "wgate.weight"]) + self.w[p + "ape"][slots_in_window].float()
+        return dense.linear(x, self.w[p + "wkv.weight"]), gate
 
     def pool(self, layer, kv, gate, starts, indexer=False):
         """What closed windows pool into their entries. kv, gate [n, 2 * rate or rate, dim] (overlap laid
@@ -539,11 +540,11 @@ class DeepseekV4Model:
         """The lightning indexer: x [T, hidden], q_residual [T, q_lora_rank], keys [T or 1, n, index_head_dim]
         -> [T, n] float32, sum_h w_h relu(q_h . k)."""
         cfg, p = self.config, f"layers.{layer}.attn.indexer."
-        q = F.linear(q_residual, self.w[p + "wq_b.weight"]).view(x.shape[0], cfg.index_n_heads, cfg.index_head_dim)
+        q = dense.linear(q_residual, self.w[p + "wq_b.weight"]).view(x.shape[0], cfg.index_n_heads, cfg.index_head_dim)
         q = apply_trailing_rope(q, rotation)
         scores = F.relu(torch.einsum("thd,tnd->thn", q.float(), keys.float().expand(x.shape[0], -1, -1)))
         scores = scores * cfg.index_head_dim ** -0.5
-        weights = F.linear(x, self.w[p + "weights_proj.weight"]).float() * cfg.index_n_heads ** -0.5
+        weights = dense.linear(x, self.w[p + "weights_proj.weight"]).float() * cfg.index_n_heads ** -0.5
         return (scores * weights[..., None]).sum(dim=1)
 
     # ------------------------------------------------------------------ feed-forward
@@ -567,15 +568,15 @@ class DeepseekV4Model:
         return out
 
     def _clipped_swiglu(self, x, name):
-        gate, up = F.linear(x, self.w[name + "gate_up"]).chunk(2, dim=-1)
+        gate, up = dense.linear(x, self.w[name + "gate_up"]).chunk(2, dim=-1)
         limit = self.config.swiglu_limit
-        return F.linear(F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit), self.w[name + "w2.weight"])
+        return dense.linear(F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit), self.w[name + "w2.weight"])
 
     def _route(self, layer, x, token_ids):
         """x [T, hidden] -> (weights [T, top_k], experts [T, top_k]): hash layers take the token's fixed
         experts, the others the top-k of score + bias; weights are the scores, normalised and scaled."""
         cfg, p = self.config, f"layers.{layer}.ffn.gate."
-        logits = F.linear(x, self.w[p + "weight"])
+        logits = dense.linear(x, self.w[p + "weight"])
         if cfg.scoring_func == "sqrtsoftplus":
             scores = F.softplus(logits).sqrt()
         elif cfg.scoring_func == "softmax":

@@ -197,3 +197,44 @@ def test_rms_norm_refuses_a_weight_of_another_width():
     out = bits(torch.empty(2, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"weight: dimension 0 \(dim, as in x\) must be 8"):
         _cpu.rms_norm_bf16(bits(bf16(2, 8)), bits(bf16(6)), 1e-6, out)
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2", "tiny-deepseek-v4"])
+def test_a_bf16_engine_through_the_kernels_is_as_close_to_float32_as_through_torch(preset, monkeypatch):
+    """The same weights decoded in float32, and in bf16 with the decode steps' dense products through
+    the kernels and through torch: the kernels' logits are as close to float32's as torch's are (each
+    decode step's logits while the three runs' tokens agree; random tiny weights have near-ties, so
+    the runs may part later)."""
+    from writescope.engine import Engine
+
+    calls = []
+    real_cpu = dense._cpu
+
+    class Counted:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real_cpu(), name)
+
+    monkeypatch.setattr(dense, "_cpu", Counted)
+    prompts = [torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(3)]
+    outputs = {}
+    for run, dtype, kernels in (("kernels", "bfloat16", True), ("torch", "bfloat16", False),
+                                ("float32", "float32", True)):
+        monkeypatch.setattr(dense, "use_cpu_kernels", kernels)
+        engine = Engine.from_pretrained(preset, policy="fixed_half", dtype=dtype, max_batch_size=3, max_seq_len=256,
+                                        enable_prefix_caching=False)
+        try:
+            outputs[run] = engine.generate(prompts, max_new_tokens=8, return_logits=True)
+        finally:
+            engine.shutdown()
+        # the bf16 decode steps took the kernels; turned off, or in float32, nothing reaches them
+        assert ("linear_bf16" in calls) == (run == "kernels")
+        calls.clear()
+    errors = {"kernels": [], "torch": []}
+    for kernels, torch_path, exact in zip(outputs["kernels"], outputs["torch"], outputs["float32"], strict=True):
+        for step, tokens in enumerate(zip(kernels.token_ids, torch_path.token_ids, exact.token_ids, strict=False)):
+            for run, out in (("kernels", kernels), ("torch", torch_path)):
+                errors[run].append(float((out.logits[step] - exact.logits[step]).abs().max()))
+            if len(set(tokens)) > 1:
+                break
+    assert max(errors["kernels"]) <= 2 * max(errors["torch"]) + 1e-3, errors
