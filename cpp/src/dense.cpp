@@ -7,6 +7,7 @@
 
 #include "checks.h"
 #include "runtime.h"
+#include "writescope/attention_kernel.h"  // bf16_round, bf16_bits_to_float
 
 namespace writescope {
 namespace {
@@ -16,21 +17,6 @@ namespace {
 constexpr int64_t kSerialMacs = int64_t{1} << 21;
 // Outputs per pool item: enough work per item to pay for claiming it, few enough to balance.
 constexpr int64_t kOutputsPerItem = 64;
-
-uint16_t round_to_bf16(float x) {  // to nearest even; NaN stays a (quiet) NaN
-  if (std::isnan(x)) return 0x7FC0u;
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-float bf16_to_float(uint16_t bits) {
-  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, 4);
-  return out;
-}
 
 int64_t padded_pairs_of(int64_t pairs) { return (pairs + 15) / 16 * 16; }
 
@@ -100,12 +86,12 @@ void linear_bf16(const py::array& x, const py::array& w, py::array& out) {
   const int64_t pairs = in_features / 2, padded = padded_pairs_of(pairs);
   std::vector<float> x_split(rows * 2 * padded);
   for (int64_t r = 0; r < rows; ++r)
-    split_row([&](int64_t i) { return bf16_to_float(x_bits[r * in_features + i]); }, pairs, padded,
+    split_row([&](int64_t i) { return bf16_bits_to_float(x_bits[r * in_features + i]); }, pairs, padded,
               x_split.data() + r * 2 * padded);
   std::vector<float> sums(rows * outputs);
   DotJob job{runtime().kernels, x_split.data(), rows, padded, pairs, outputs, w_bits, in_features, sums.data()};
   run_dot(job);
-  for (int64_t i = 0; i < rows * outputs; ++i) out_bits[i] = round_to_bf16(sums[i]);
+  for (int64_t i = 0; i < rows * outputs; ++i) out_bits[i] = bf16_round(sums[i]);
 }
 
 void rms_norm_bf16(const py::array& x, const py::array& weight, double eps, py::array& out) {
@@ -127,7 +113,7 @@ void rms_norm_bf16(const py::array& x, const py::array& weight, double eps, py::
     const uint16_t* row = x_bits + r * dim;
     double squares = 0.0;  // exact for bf16 squares of any row torch's float32 mean handles
     for (int64_t d = 0; d < dim; ++d) {
-      const double v = bf16_to_float(row[d]);
+      const double v = bf16_bits_to_float(row[d]);
       squares += v * v;
     }
     // torch's order of rounding: the normalised row in float32, rounded to bf16, then times the
@@ -135,8 +121,8 @@ void rms_norm_bf16(const py::array& x, const py::array& weight, double eps, py::
     const float mean_square = static_cast<float>(squares / static_cast<double>(dim));
     const float inv = 1.0f / std::sqrt(mean_square + epsilon);
     for (int64_t d = 0; d < dim; ++d) {
-      const float normalised = bf16_to_float(round_to_bf16(bf16_to_float(row[d]) * inv));
-      out_bits[r * dim + d] = round_to_bf16(bf16_to_float(w_bits[d]) * normalised);
+      const float normalised = bf16_bits_to_float(bf16_round(bf16_bits_to_float(row[d]) * inv));
+      out_bits[r * dim + d] = bf16_round(bf16_bits_to_float(w_bits[d]) * normalised);
     }
   }
 }
@@ -187,7 +173,7 @@ void moe_experts_bf16(const py::array& x, const py::array& weights, const py::ar
   // expert's gate/up product, silu(gate), its product with up, the down product, and its product
   // with the routing weight; the top_k products summed in float32 and rounded once.
   for (int64_t t = 0; t < tokens; ++t) {
-    split_row([&](int64_t i) { return bf16_to_float(x_bits[t * hidden + i]); }, hidden_pairs, hidden_padded,
+    split_row([&](int64_t i) { return bf16_bits_to_float(x_bits[t * hidden + i]); }, hidden_pairs, hidden_padded,
               x_split.data());
     for (int64_t h = 0; h < hidden; ++h) token_sum[h] = 0.0f;
     for (int64_t s = 0; s < top_k; ++s) {
@@ -196,19 +182,19 @@ void moe_experts_bf16(const py::array& x, const py::array& weights, const py::ar
                     gate_up_bits + e * 2 * intermediate * hidden, hidden, gate_up_out.data()};
       run_dot(up_job);
       auto act = [&](int64_t i) {
-        const float gate = bf16_to_float(round_to_bf16(gate_up_out[i]));
-        const float up = bf16_to_float(round_to_bf16(gate_up_out[intermediate + i]));
-        return bf16_to_float(round_to_bf16(bf16_to_float(round_to_bf16(silu(gate))) * up));
+        const float gate = bf16_bits_to_float(bf16_round(gate_up_out[i]));
+        const float up = bf16_bits_to_float(bf16_round(gate_up_out[intermediate + i]));
+        return bf16_bits_to_float(bf16_round(bf16_bits_to_float(bf16_round(silu(gate))) * up));
       };
       split_row(act, inter_pairs, inter_padded, act_split.data());
       DotJob down_job{kernels, act_split.data(), 1, inter_padded, inter_pairs, hidden,
                       down_bits + e * hidden * intermediate, intermediate, down_out.data()};
       run_dot(down_job);
-      const float weight = bf16_to_float(weight_bits[t * top_k + s]);
+      const float weight = bf16_bits_to_float(weight_bits[t * top_k + s]);
       for (int64_t h = 0; h < hidden; ++h)
-        token_sum[h] += bf16_to_float(round_to_bf16(bf16_to_float(round_to_bf16(down_out[h])) * weight));
+        token_sum[h] += bf16_bits_to_float(bf16_round(bf16_bits_to_float(bf16_round(down_out[h])) * weight));
     }
-    for (int64_t h = 0; h < hidden; ++h) out_bits[t * hidden + h] = round_to_bf16(token_sum[h]);
+    for (int64_t h = 0; h < hidden; ++h) out_bits[t * hidden + h] = bf16_round(token_sum[h]);
   }
 }
 

@@ -50,7 +50,8 @@ struct Fp16Kv {
 
 #define WS_INLINE inline __attribute__((always_inline))
 
-inline uint16_t bf16_round(float x) {  // to nearest even (finite inputs)
+inline uint16_t bf16_round(float x) {  // to nearest even; a NaN stays a quiet NaN
+  if (x != x) return 0x7FC0u;
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
   bits += 0x7FFFu + ((bits >> 16) & 1u);
