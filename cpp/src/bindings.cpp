@@ -71,7 +71,7 @@ PYBIND11_MODULE(_cpu, m) {
                            (layout == "paired" ? paired_tiles_fit(group, head_dim_qk, head_dim_v, block_size)
                                                : token_major_tiles_fit(group, head_dim_qk, head_dim_v, block_size));
         if (tiles) return std::make_pair(std::string("tile"), std::string("tile"));
-        const bool dot = layout == "token_major" && runtime().bf16_dot_faster;
+        const bool dot = runtime().bf16_dot_faster;
         return std::make_pair(std::string(dot ? "dot" : "fma"), std::string("fma"));
       },
       py::arg("layout"), py::arg("group"), py::arg("head_dim_qk"), py::arg("head_dim_v"), py::arg("block_size"),

@@ -18,6 +18,8 @@ struct Avx512Bf16Simd : Avx512Simd {
   static constexpr int kBf16PerRaw = 32;
   static Raw load_raw(const uint16_t* p) { return _mm512_loadu_si512(p); }
   static Raw raw_set1(uint32_t bits) { return _mm512_set1_epi32(static_cast<int>(bits)); }
+  // The first n (<= 16) 32-bit words at p (a bf16 pair each), zeros past them; nothing past word n is read.
+  static Raw load_raw_words(const uint16_t* p, int64_t n) { return _mm512_maskz_loadu_epi32(first_lanes(n), p); }
   static V dot_bf16(V acc, Raw a, Raw b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
 };
 
