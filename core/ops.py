@@ -299,6 +299,14 @@ def _triton_module():
     return triton_attention
 
 
+def cpu_rounds_probabilities(q_dtype, kv_dtype) -> bool:
+    """Whether the "cpu" backend rounds the softmax probabilities to bf16 before PV, as a GPU
+    tensor-core dot and transformers' bf16 attention do: its bf16-dot path, taken for bf16 q and KV
+    where the extension measured the dot faster than float32 FMAs. Each output dim is then within
+    `reference.probability_rounding_atol(v)` of the float32 reference; lse stays float32-exact."""
+    return q_dtype == kv_dtype == torch.bfloat16 and _cpu_module().uses_bf16_dot()
+
+
 def _cpu_module():
     from writescope import _cpu
 

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import torch
 
+# Unit roundoff of bf16 (8 significant bits, round to nearest even): the most a probability's
+# relative error grows when a kernel rounds it to bf16 for PV.
+BF16_UNIT_ROUNDOFF = 2.0**-9
+
 
 def attention(q, k, v, scale):
     """q [num_q_heads, head_dim_qk], k [num_kv_heads, seq_len, head_dim_qk], v [num_kv_heads, seq_len,
@@ -22,6 +26,14 @@ def attention(q, k, v, scale):
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.softmax(scores, dim=-1), v.float())  # [num_kv_heads, group, head_dim_v]
     return out.reshape(num_q_heads, head_dim_v), lse.reshape(num_q_heads)
+
+
+def probability_rounding_atol(v) -> float:
+    """The most an output dim of softmax(s) v can move when every probability is rounded to bf16 (each
+    off by a relative 2^-9 at most, the normaliser kept exact), for v [..., seq_len, head_dim_v]:
+    |sum p (1 + e) v - sum p v| / sum p <= 2^-9 max |v|."""
+    finite = v.float().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # unused slots past a sequence's end
+    return BF16_UNIT_ROUNDOFF * float(finite.abs().max()) if v.numel() else 0.0
 
 
 def gather_sequence(cache, block_table_row, seq_len):

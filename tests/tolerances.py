@@ -7,10 +7,27 @@ the same bound serves every KV dtype. Merges of float32 partials are compared ti
 
 import torch
 
+from writescope import ops, reference
+
 ATTENTION_OUT = {"atol": 2e-5, "rtol": 1e-4}
 ATTENTION_LSE = {"atol": 2e-5, "rtol": 1e-5}
 MERGE = {"atol": 1e-5, "rtol": 1e-5}
 COSINE_MIN = 0.9999  # second check on whole outputs
+
+
+def cpu_out_tolerance(q_dtype, kv_dtype, v):
+    """ATTENTION_OUT for the "cpu" backend on these dtypes, widened where its bf16-dot path rounds the
+    probabilities to bf16 (`ops.cpu_rounds_probabilities`) by that rounding's bound for the V
+    averaged (`reference.probability_rounding_atol`: 2^-9 of its largest |value|)."""
+    if not ops.cpu_rounds_probabilities(q_dtype, kv_dtype):
+        return ATTENTION_OUT
+    return {**ATTENTION_OUT, "atol": ATTENTION_OUT["atol"] + reference.probability_rounding_atol(v)}
+
+
+def looser(*tolerances):
+    """The widest of assert_close tolerances: two backends compared with each other, each off the
+    reference by its own."""
+    return {key: max(t[key] for t in tolerances) for key in ("atol", "rtol")}
 
 
 def assert_partials_close(out, lse, ref_out, ref_lse, tol_out=ATTENTION_OUT, tol_lse=ATTENTION_LSE):

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from writescope import ops
+from writescope import ops, reference
 from writescope.tools.bench_cpu_attention import SHAPES, cache_source, copies_for, kv_bytes, make_inputs
 from writescope.tools.results import check_positive, write_json
 
@@ -61,7 +61,10 @@ def measure(builds, shape, seq_len: int, cold_bytes: int, rounds: int) -> list[l
     ref_out, ref_lse = ops.partial_attention(q, k, v, scale=scale, backend="torch")
     for module in builds:
         call(module, q[None], sources[0], scale, out, lse)
-        torch.testing.assert_close(out[0], ref_out, atol=2e-5, rtol=1e-4)
+        # a build on its bf16-dot path rounds the probabilities to bf16 (see ops.cpu_rounds_probabilities)
+        rounds = getattr(module, "uses_bf16_dot", lambda: False)()
+        rounding = reference.probability_rounding_atol(v) if rounds else 0.0
+        torch.testing.assert_close(out[0], ref_out, atol=2e-5 + rounding, rtol=1e-4)
         torch.testing.assert_close(lse[0], ref_lse, atol=2e-5, rtol=1e-5)
     calls_per_turn = max(3, num_copies)
     times = [[] for _ in builds]

@@ -71,13 +71,13 @@ PYBIND11_MODULE(_cpu, m) {
                            (layout == "paired" ? paired_tiles_fit(group, head_dim_qk, head_dim_v, block_size)
                                                : token_major_tiles_fit(group, head_dim_qk, head_dim_v, block_size));
         if (tiles) return std::make_pair(std::string("tile"), std::string("tile"));
-        const bool dot = runtime().bf16_dot_faster;
-        return std::make_pair(std::string(dot ? "dot" : "fma"), std::string("fma"));
+        const std::string vector = runtime().bf16_dot_faster ? "dot" : "fma";
+        return std::make_pair(vector, vector);
       },
       py::arg("layout"), py::arg("group"), py::arg("head_dim_qk"), py::arg("head_dim_v"), py::arg("block_size"),
       "The instructions (tile, dot or fma) of QK and of PV for bf16 q and KV of this shape, with the current "
       "variant on this CPU.");
   m.def("uses_bf16_dot", [] { return runtime().bf16_dot_faster; },
-        "Whether the kernels take bf16 q.K through the bf16 dot product: only where the variant has one and "
-        "it measured faster than float32 FMAs on this CPU.");
+        "Whether the kernels take bf16 q.K and PV (the probabilities rounded to bf16) through the bf16 dot "
+        "product: only where the variant has one and it measured faster than float32 FMAs on this CPU.");
 }

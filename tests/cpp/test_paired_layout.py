@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.cpp.test_bad_arguments import call_kernel, valid_kernel_args
-from tests.tolerances import assert_partials_close
-from writescope import _cpu, ops
+from tests.tolerances import assert_partials_close, cpu_out_tolerance
+from writescope import _cpu, ops, reference
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.kv_format import KVFormat, from_paired, to_paired
 from writescope.policies import make_policy
@@ -42,7 +42,7 @@ def as_paired(source: ops.KVSource) -> ops.KVSource:
 def check(q, source):
     out, lse, _ = ops.cpu_paged_attention_timed(q, as_paired(source), source.k_cache.shape[-1] ** -0.5)
     ref_out, ref_lse = ops.paged_partial_attention(q, *source, backend="torch")
-    assert_partials_close(out, lse, ref_out, ref_lse)
+    assert_partials_close(out, lse, ref_out, ref_lse, cpu_out_tolerance(q.dtype, source.k_cache.dtype, source.v_cache))
 
 
 @pytest.mark.parametrize("lens", [[613, 64], [0, 1, 97], [4099]])
@@ -77,7 +77,7 @@ def test_chunks_are_rounded_to_whole_blocks_without_changing_the_result(chunk_to
     _cpu.paged_attention(*(ops._as_numpy(t) for t in (q, *paired)), out.numpy(), lse.numpy(), q_dtype="bfloat16",
                          kv_dtype="bfloat16", layout="paired", scale=128**-0.5, chunk_tokens=chunk_tokens)
     ref_out, ref_lse = ops.paged_partial_attention(q, *source, backend="torch")
-    assert_partials_close(out, lse, ref_out, ref_lse)
+    assert_partials_close(out, lse, ref_out, ref_lse, cpu_out_tolerance(q.dtype, source.k_cache.dtype, source.v_cache))
 
 
 def results_for_thread_counts(q, source, scale=0.1):
@@ -101,6 +101,36 @@ def assert_identical(results):
 def test_result_is_identical_for_any_thread_count():
     q, source = paged([4099, 1500], 16)
     assert_identical(results_for_thread_counts(q, as_paired(source)))
+
+
+def probabilities_rounded_once(q, source, scale):
+    """out of one sequence of one tile (64 tokens or fewer) as the bf16-dot path computes it: float32
+    scores and probabilities, each probability rounded to bf16 for PV except a lone last token's (an
+    odd count), the float32 sum as the normaliser. q [1, num_q_heads, head_dim_qk]."""
+    seq_len = int(source.seq_lens[0])
+    k = reference.gather_sequence(source.k_cache, source.block_table[0], seq_len).float()
+    v = reference.gather_sequence(source.v_cache, source.block_table[0], seq_len).float()
+    num_kv_heads = k.shape[0]
+    q_grouped = q[0].float().reshape(num_kv_heads, -1, k.shape[-1])
+    scores = q_grouped @ k.transpose(1, 2) * scale  # [num_kv_heads, group, seq_len]
+    p = torch.exp(scores - scores.amax(-1, keepdim=True))
+    rounded = p.bfloat16().float()
+    if seq_len % 2:
+        rounded[..., -1] = p[..., -1]
+    return ((rounded @ v) / p.sum(-1, keepdim=True)).reshape(1, q.shape[1], v.shape[-1])
+
+
+@pytest.mark.parametrize("layout", ["paired", "token_major"])
+@pytest.mark.parametrize("seq_len", [64, 61])
+def test_the_dot_path_rounds_each_probability_to_bf16_once(layout, seq_len):
+    if not ops.cpu_rounds_probabilities(torch.bfloat16, torch.bfloat16):
+        pytest.skip(f"variant {_cpu.__cpu_variant__} here takes PV in float32 FMAs (no faster bf16 dot)")
+    q, source = paged([seq_len], 16, num_kv_heads=2, group=8)
+    out, _, _ = ops.cpu_paged_attention_timed(q, as_paired(source) if layout == "paired" else source, 0.09)
+    expected = probabilities_rounded_once(q, source, 0.09)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+    float32_out, _ = ops.paged_partial_attention(q, *source, scale=0.09, backend="torch")
+    assert (out - float32_out).abs().max() > 1e-4  # the rounding is visible: the test tells the two apart
 
 
 def test_to_paired_round_trips_and_is_the_kernels_layout():

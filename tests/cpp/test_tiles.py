@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.cpp.test_paired_layout import as_paired, assert_identical, paged, results_for_thread_counts
-from tests.tolerances import assert_partials_close
+from tests.tolerances import assert_partials_close, cpu_out_tolerance
 from writescope import _cpu, ops
 
 
@@ -20,7 +20,8 @@ def reference(q, source):
 def test_paired_tiles(cpu_variant, q_dtype, group, block_size):
     q, source = paged([613, 77, 16, 1], block_size, group=group, q_dtype=q_dtype)
     out, lse, _ = ops.cpu_paged_attention_timed(q, as_paired(source), 128**-0.5)
-    assert_partials_close(out, lse, *reference(q, source))
+    tol_out = cpu_out_tolerance(q.dtype, source.k_cache.dtype, source.v_cache)
+    assert_partials_close(out, lse, *reference(q, source), tol_out)
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
@@ -30,14 +31,16 @@ def test_token_major_tiles(cpu_variant, q_dtype, group, head_dims, block_size):
     q, source = paged([613, 77, 32, 3], block_size, num_kv_heads=1, group=group, head_dim_k=head_dims[0],
                       head_dim_v=head_dims[1], q_dtype=q_dtype)
     out, lse, _ = ops.cpu_paged_attention_timed(q, source, 0.07)
-    assert_partials_close(out, lse, *ops.paged_partial_attention(q, *source, scale=0.07, backend="torch"))
+    assert_partials_close(out, lse, *ops.paged_partial_attention(q, *source, scale=0.07, backend="torch"),
+                          cpu_out_tolerance(q.dtype, source.k_cache.dtype, source.v_cache))
 
 
 def test_mla_latent_as_value_prefix(cpu_variant):
     q, source = paged([1000, 45], 16, num_kv_heads=1, group=16, head_dim_k=576, head_dim_v=576)
     latent = ops.KVSource(source.k_cache, source.k_cache[..., :512], *source[2:])
     out, lse, _ = ops.cpu_paged_attention_timed(q, latent, 192**-0.5)
-    assert_partials_close(out, lse, *ops.paged_partial_attention(q, *latent, scale=192**-0.5, backend="torch"))
+    assert_partials_close(out, lse, *ops.paged_partial_attention(q, *latent, scale=192**-0.5, backend="torch"),
+                          cpu_out_tolerance(q.dtype, latent.k_cache.dtype, latent.v_cache))
 
 
 @pytest.mark.parametrize("layout", ["paired", "token_major"])
@@ -55,11 +58,12 @@ def test_the_instructions_reported_follow_the_variant_and_shape():
             tiles = ("tile", "tile")
             assert (_cpu.multiply_add_instructions("paired", 8, 128, 128, 16) == tiles) == (variant == "amx")
             assert (_cpu.multiply_add_instructions("token_major", 16, 576, 512, 16) == tiles) == (variant == "amx")
-            qk = "dot" if _cpu.uses_bf16_dot() else "fma"  # bf16 q.K: the dot where it measured faster
-            assert _cpu.multiply_add_instructions("paired", 4, 128, 128, 16) == (qk, "fma")
+            vector = "dot" if _cpu.uses_bf16_dot() else "fma"  # bf16 q.K and PV: the dot where it measured faster
+            assert _cpu.multiply_add_instructions("paired", 4, 128, 128, 16) == (vector, vector)
+            assert _cpu.multiply_add_instructions("token_major", 4, 576, 512, 16) == (vector, vector)
             if variant not in ("avx512bf16", "amx"):
                 assert not _cpu.uses_bf16_dot()  # no bf16 dot instruction to use
-            assert _cpu.multiply_add_instructions("paired", 8, 128, 128, 8)[1] == "fma"  # half-tile blocks
+            assert _cpu.multiply_add_instructions("paired", 8, 128, 128, 8)[1] == vector  # half-tile blocks
     finally:
         _cpu.set_variant(default)
     with pytest.raises(ValueError, match="allowed: token_major, paired"):

@@ -12,7 +12,10 @@
 //           output is rescaled only when the head's max grows.
 //   values  vectors over W dims: each V load is a dim range of a token pair, widened to (token t,
 //           token t + 1) vectors, times the broadcast probabilities of every head in the tile.
-// Everything accumulates in float32, so results match the float32 reference to rounding.
+//           On the bf16 dot path the load is the dot's operand as it is, and the probabilities are
+//           rounded to bf16 once (dot_values).
+// Everything accumulates in float32; results match the float32 reference to rounding, except that
+// the dot path's bf16 probabilities move an output dim by at most 2^-9 of the largest |V| it averages.
 #pragma once
 
 #include <cmath>
@@ -64,9 +67,10 @@ struct PairedKernel {
   // broadcast as it is, and products of bf16 values are exact in float32, so it is as accurate as
   // widening K for two FMAs, in one instruction per head where the FMA path takes two plus the
   // widening. The scale is applied to the sums. Measured on a 2-vCPU Zen 4 (avx512bf16) at 32K,
-  // interleaved with the FMA path: Qwen3-MoE 1.20x, Mixtral 1.11x. PV through the dot (probabilities
-  // split into bf16 high and low words, two dots per head and pair) measured 0.97-0.98x in-core, and
-  // an FMA taking its broadcast from memory 1.02x: not kept.
+  // interleaved with the FMA path: Qwen3-MoE 1.20x, Mixtral 1.11x. The same path takes PV through
+  // the dot too (dot_values). Tried and not kept: PV with the probabilities split into bf16 high and
+  // low words (two dots per head and pair, float32-exact) 0.97-0.98x in-core; an FMA taking its
+  // broadcast from memory 1.02x.
   bool bf16_dot = false;
   uint32_t* q_pairs = nullptr;  // q32's memory: [dim_qk / 2, heads, bf16 pair] per score chunk
   // Pre-scaled q. AMX reads it as [group, dim_qk]; the FMA path pair-major within each chunk of
@@ -652,8 +656,96 @@ struct PairedKernel {
     }
   }
 
+  // ------------------------------------------------------------------ values through the bf16 dot
+  // With the dot path on (bf16 q and KV, the dot measured faster), P [heads, tile] is rounded to
+  // bf16 once, as the GPU kernel's tensor-core dot and transformers' bf16 attention round it: a
+  // paired V load (16 dims of a token pair) is then the dot's operand as stored, and a token pair's
+  // two probabilities one 32-bit word to broadcast, so one instruction takes two tokens of a head
+  // where the FMA path takes two plus the widening. The running sums and the softmax's sums stay
+  // float32; each probability's relative error is at most 2^-9, so an output dim moves by at most
+  // 2^-9 of the largest |V| it averages.
+  void round_probabilities(int64_t count) {
+    if constexpr (S::kBf16Dot) {
+      const int64_t padded = (count + W - 1) / W * W;  // online_softmax zeroed the padding
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t t = 0; t < padded; t += W) S::store_bf16(p_hi + g * stride + t, S::load(scores + g * stride + t));
+    }
+  }
+
+  // GT heads x NV vectors of W dims, over the tile's token pairs; a lone last token through an FMA
+  // of its float32 probability (its pair's second slot is past the end and may hold NaN, which a
+  // zero probability would not cancel in a dot).
+  template <int GT, int NV, int64_t kRow>
+  WS_INLINE void dot_value_step(int64_t g0, int64_t d0, int64_t blocks, int64_t count, float* acc) {
+    if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
+      const int64_t row = kRow != 0 ? kRow : stride;
+      const int64_t row_words = row / 2;
+      V sum[GT][NV];
+      for (int gi = 0; gi < GT; ++gi)
+        for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::load(acc + (g0 + gi) * dim_v + d0 + vi * W);
+      const int64_t pair_stride = dim_v * 2;
+      Prefetcher prefetch = pf;
+      for (int64_t j = 0; j < blocks; ++j) {
+        const int64_t valid = count - j * block_size < block_size ? count - j * block_size : block_size;
+        const T* v = v_blocks[j] + d0 * 2;
+        // head g0 + gi's token pair tp of the block at p[gi * row_words + tp]
+        const uint32_t* p = reinterpret_cast<const uint32_t*>(p_hi + g0 * row + j * block_size);
+        const int64_t full_pairs = valid / 2;
+        for (int64_t tp = 0; tp < full_pairs; ++tp, v += pair_stride) {
+          prefetch.step();
+          typename S::Raw pair[NV];
+          for (int vi = 0; vi < NV; ++vi) pair[vi] = S::load_raw(v + vi * W * 2);
+          for (int gi = 0; gi < GT; ++gi) {
+            const typename S::Raw probabilities = S::raw_set1(p[gi * row_words + tp]);
+            for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::dot_bf16(sum[gi][vi], probabilities, pair[vi]);
+          }
+        }
+        if (valid % 2) {
+          const float* last = scores + g0 * row + j * block_size + valid - 1;
+          V first[NV], unused[NV];
+          for (int vi = 0; vi < NV; ++vi) Kv::template pairs<S>(v + vi * W * 2, W, first[vi], unused[vi]);
+          for (int gi = 0; gi < GT; ++gi) {
+            const V pf = S::set1(last[gi * row]);
+            for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::fma(pf, first[vi], sum[gi][vi]);
+          }
+        }
+      }
+      pf = prefetch;
+      for (int gi = 0; gi < GT; ++gi)
+        for (int vi = 0; vi < NV; ++vi) S::store(acc + (g0 + gi) * dim_v + d0 + vi * W, sum[gi][vi]);
+    }
+  }
+
+  template <int GT, int NV, int64_t kRow>
+  void dot_value_dims(int64_t g0, int64_t blocks, int64_t count, float* acc) {
+    int64_t d = 0;
+    for (; d + NV * W <= dim_v; d += NV * W) dot_value_step<GT, NV, kRow>(g0, d, blocks, count, acc);
+    for (; d + W <= dim_v; d += W) dot_value_step<GT, 1, kRow>(g0, d, blocks, count, acc);
+    if (d < dim_v) value_tail<GT>(g0, d, blocks, count, acc);
+  }
+
+  // Sixteen accumulators where the dims allow; V and the broadcasts stay within the load ports.
+  template <int GT>
+  void dot_value_heads(int64_t g0, int64_t blocks, int64_t count, float* acc) {
+    constexpr int NV = GT >= 8 ? 2 : GT >= 4 ? 4 : 8;
+    if (stride == kTileTokens) dot_value_dims<GT, NV, kTileTokens>(g0, blocks, count, acc);
+    else dot_value_dims<GT, NV, 0>(g0, blocks, count, acc);
+  }
+
+  void dot_values(int64_t blocks, int64_t count, float* acc) {
+    round_probabilities(count);
+    int64_t g = 0;
+    for (; g + 8 <= group; g += 8) dot_value_heads<8>(g, blocks, count, acc);
+    for (; g + 4 <= group; g += 4) dot_value_heads<4>(g, blocks, count, acc);
+    for (; g + 2 <= group; g += 2) dot_value_heads<2>(g, blocks, count, acc);
+    for (; g < group; ++g) dot_value_heads<1>(g, blocks, count, acc);
+  }
+
   void accumulate_values(int64_t blocks, int64_t count, float* acc) {
     if (amx) return amx_values(blocks, count, acc);
+    if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
+      if (bf16_dot) return dot_values(blocks, count, acc);
+    }
     // Accumulators GT x NV, the V vectors 2 x NV and two broadcasts within the register file; more
     // heads per step widen each V vector once for more FMAs. Each accumulator takes a chain of two
     // FMAs per token pair, so at least eight of them keep the FMA pipes busy (16 registers: 4 x 2

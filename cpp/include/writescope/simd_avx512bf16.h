@@ -21,6 +21,31 @@ struct Avx512Bf16Simd : Avx512Simd {
   // The first n (<= 16) 32-bit words at p (a bf16 pair each), zeros past them; nothing past word n is read.
   static Raw load_raw_words(const uint16_t* p, int64_t n) { return _mm512_maskz_loadu_epi32(first_lanes(n), p); }
   static V dot_bf16(V acc, Raw a, Raw b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
+  // 32 dims of two token rows a and b (bf16) -> their [dim][2] pairs (a's element first): dims
+  // [0, 16) in `low`, [16, 32) in `high`, each the bf16 dot's operand for a token pair.
+  static void pair_rows(const uint16_t* a, const uint16_t* b, Raw& low, Raw& high) {
+    const __m512i low_index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high_index = _mm512_add_epi16(low_index, _mm512_set1_epi16(16));
+    const __m512i x = _mm512_loadu_si512(a);
+    const __m512i y = _mm512_loadu_si512(b);
+    low = _mm512_permutex2var_epi16(x, low_index, y);
+    high = _mm512_permutex2var_epi16(x, high_index, y);
+  }
+  // Two token rows of `dims` (a multiple of 32) bf16 -> [dims][2] pairs (a's element first); b null: zeros.
+  static void interleave_rows(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t dims) {
+    alignas(64) static const uint16_t zeros[32] = {};
+    for (int64_t d = 0; d < dims; d += 32) {
+      Raw low, high;
+      pair_rows(a + d, b ? b + d : zeros, low, high);
+      _mm512_storeu_si512(out + 2 * d, low);
+      _mm512_storeu_si512(out + 2 * d + 32, high);
+    }
+  }
+  // 16 floats -> bf16 (nearest even) at p.
+  static void store_bf16(uint16_t* p, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+  }
 };
 
 #define WS_EACH_TILE(M) M(0) M(1) M(2) M(3) M(4) M(5) M(6) M(7)
@@ -55,18 +80,6 @@ struct Avx512AmxSimd : Avx512Bf16Simd {
 #undef WS_DOT
     static_assert((C == 0 && ((B == 3 && (A == 1 || A == 2)) || (A == 1 && B == 2))) || (B == 6 && C < 4 && (A == 4 || A == 5)),
                   "add the tile combination to tile_dot");
-  }
-  // Two token rows of `dims` (a multiple of 32) bf16 -> [dims][2] pairs (a's element first); b null: zeros.
-  static void interleave_rows(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t dims) {
-    const __m512i low_index = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
-                                               38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i high_index = _mm512_add_epi16(low_index, _mm512_set1_epi16(16));
-    for (int64_t d = 0; d < dims; d += 32) {
-      const __m512i x = _mm512_loadu_si512(a + d);
-      const __m512i y = b ? _mm512_loadu_si512(b + d) : _mm512_setzero_si512();
-      _mm512_storeu_si512(out + 2 * d, _mm512_permutex2var_epi16(x, low_index, y));
-      _mm512_storeu_si512(out + 2 * d + 32, _mm512_permutex2var_epi16(x, high_index, y));
-    }
   }
   // 16 floats -> bf16 high parts (nearest even) and bf16 low parts of what the high parts leave.
   static void split_bf16(const float* x, uint16_t* hi, uint16_t* lo) {
