@@ -562,11 +562,14 @@ struct ItemKernel {
         v_rows[t] = v_row;
         if (first_tile) {
           prefetch_row<3>(k_row, dim_qk);
-          prefetch_row<3>(v_row, dim_v);
+          if (!v_in_k) prefetch_row<3>(v_row, dim_v);
         }
       } else {
         prefetch_row<2>(k_row, dim_qk);
-        prefetch_row<2>(v_row, dim_v);
+        // MLA: V's lines are K's, asked for already (measured on a 2-vCPU Zen 4, interleaved:
+        // 1.14x at 8K, 1.18x at 32K). Asking only for the tile three ahead, not again for the
+        // two nearer ones, measured 0.93-0.98x there.
+        if (!v_in_k) prefetch_row<2>(v_row, dim_v);
       }
       if (++offset == a.block_size) {
         offset = 0;
