@@ -53,8 +53,12 @@ from writescope.topology import NumaNode
 log = logging.getLogger(__name__)
 
 # ------------------------------------------------------------------ the channel's wire
-REQUEST = struct.Struct("<QIIIIId")  # request id, region, layer, num_seqs, table width, unit, scale
+REQUEST = struct.Struct("<QIIIIIId")  # request id, region, layer, num_seqs, table width, unit, q dtype, scale
 BLOCKS, TOKENS = 0, 1  # what a request's table indexes in its region: blocks, or single tokens (a selection)
+# q crosses in its own dtype (its code: the index here), so the worker's kernel takes the same path
+# as the local executor's on the same q: a bf16 q takes the bf16-dot path, which rounds the
+# probabilities to bf16, and a float32 copy of it would not. The q slot holds float32 at most.
+Q_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 REPLY = struct.Struct("<QdI")  # request id, kernel seconds, length of the error message that follows (0: ok)
 _ALIGN = 64
 
@@ -89,6 +93,24 @@ class ChannelSpec:
     def segment_bytes(self) -> int:
         offset, shape, dtype = self.layout()["lse"]
         return offset + int(np.prod(shape)) * dtype.itemsize
+
+
+def write_q(slot: np.ndarray, q: torch.Tensor) -> None:
+    """q [num_seqs, num_q_heads, head_dim_qk] (a Q_DTYPES dtype, contiguous) into the channel's q slot
+    (float32 [max_seqs, num_q_heads, head_dim_qk]) from its first byte."""
+    if q.dtype == torch.float32:
+        slot[: q.shape[0]] = q.numpy()
+    else:  # numpy has no bf16: the bits, as 16-bit words
+        slot.reshape(-1).view(np.int16)[: q.numel()] = q.view(torch.int16).reshape(-1).numpy()
+
+
+def read_q(slot: np.ndarray, num_seqs: int, dtype: torch.dtype) -> torch.Tensor:
+    """The q write_q put in the slot: [num_seqs, num_q_heads, head_dim_qk] of `dtype`, a view."""
+    if dtype == torch.float32:
+        return torch.from_numpy(slot[:num_seqs])
+    shape = (num_seqs, *slot.shape[1:])
+    words = slot.reshape(-1).view(np.int16)[: int(np.prod(shape))].reshape(shape)
+    return torch.from_numpy(words).view(dtype)
 
 
 def create_segment(spec: ChannelSpec, label: str) -> tuple[ChannelSpec, Segment]:
@@ -170,13 +192,13 @@ class PartialServer:
                     continue  # the client went away (a restarted GPU worker reconnects)
 
     def _answer(self, conn, request) -> None:
-        request_id, region, layer, num_seqs, width, unit, scale = request
+        request_id, region, layer, num_seqs, width, unit, q_dtype, scale = request
         seconds, error = 0.0, ""
         try:
-            self._check(region, layer, num_seqs, width, unit)
+            self._check(region, layer, num_seqs, width, unit, q_dtype)
             a = self._buffers.arrays
             table = a["table"][: num_seqs * width].reshape(num_seqs, width)
-            out, lse, seconds = self._compute(region, layer, torch.from_numpy(a["q"][:num_seqs]),
+            out, lse, seconds = self._compute(region, layer, read_q(a["q"], num_seqs, Q_DTYPES[q_dtype]),
                                               torch.from_numpy(table), torch.from_numpy(a["lens"][:num_seqs]), scale,
                                               unit)
             a["out"][:num_seqs] = out.numpy()
@@ -186,8 +208,11 @@ class PartialServer:
         message = error.encode()
         conn.sendall(REPLY.pack(request_id, seconds, len(message)) + message)
 
-    def _check(self, region: int, layer: int, num_seqs: int, width: int, unit: int) -> None:
+    def _check(self, region: int, layer: int, num_seqs: int, width: int, unit: int, q_dtype: int) -> None:
         spec = self.spec
+        if not 0 <= q_dtype < len(Q_DTYPES):
+            raise ValueError(f"q dtype code {q_dtype} is outside [0, {len(Q_DTYPES)}): "
+                             f"{', '.join(str(d) for d in Q_DTYPES)}")
         if not 0 <= region < len(self._region_layers):
             raise ValueError(f"region {region} is outside [0, {len(self._region_layers)}): this worker serves "
                              f"{len(self._region_layers)} shard region(s)")
@@ -229,7 +254,7 @@ class CPUWorker:
                                     region_layers=[r.handle.format.num_layers for r in self.regions])
 
     def _partial(self, region, layer, q, table, seq_lens, scale, unit):
-        """q [num_seqs, num_q_heads, head_dim_qk] float32; table: blocks of the region, or (unit TOKENS)
+        """q [num_seqs, num_q_heads, head_dim_qk] as sent (Q_DTYPES); table: blocks of the region, or (unit TOKENS)
         tokens of it -> (out [num_seqs, num_q_heads, head_dim_v], lse, the kernel's own seconds)."""
         from writescope.inplace_kv_cache import compute_source, selected_source
 
@@ -288,8 +313,9 @@ class PartialClient:
             raise ValueError(f"a table of {num_seqs} x {width} does not fit the channel's "
                              f"{spec.max_seqs} x {spec.max_blocks}")
         self._next_id += 1
-        header = REQUEST.pack(self._next_id, region, layer, num_seqs, width, unit, scale)
-        self._request = (header, q.float().numpy(), block_table.numpy(), seq_lens.numpy())
+        q = q if q.dtype in Q_DTYPES else q.float()
+        header = REQUEST.pack(self._next_id, region, layer, num_seqs, width, unit, Q_DTYPES.index(q.dtype), scale)
+        self._request = (header, q.contiguous(), block_table.numpy(), seq_lens.numpy())
         try:
             self._transmit()
         except (ConnectionError, OSError):
@@ -299,7 +325,7 @@ class PartialClient:
         header, q, table, lens = self._request
         num_seqs, width = table.shape
         a = self._buffers.arrays
-        a["q"][:num_seqs] = q
+        write_q(a["q"], q)
         a["table"][: num_seqs * width] = table.reshape(-1)
         a["lens"][:num_seqs] = lens
         self._connected().sendall(header)
@@ -307,7 +333,7 @@ class PartialClient:
     def receive(self) -> tuple[torch.Tensor, torch.Tensor, float]:
         """(out [num_seqs, num_q_heads, head_dim_v], lse [num_seqs, num_q_heads], kernel seconds)."""
         header = self._request[0]
-        request_id, _, _, num_seqs, _, _, _ = REQUEST.unpack(header)
+        request_id, _, _, num_seqs, *_ = REQUEST.unpack(header)
         deadline = time.monotonic() + self.reconnect_timeout_s
         while True:
             try:

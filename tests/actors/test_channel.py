@@ -11,8 +11,10 @@ import pytest
 import ray
 import torch
 
+from writescope import ops
 from writescope.actors.cpu_worker import BLOCKS, TOKENS, ChannelSpec, CPUWorker, PartialClient, create_segment
 from writescope.deepseek_v4_engine import EntryFormat
+from writescope.inplace_kv_cache import selected_source
 from writescope.kv_regions import HostRegion
 from writescope.topology import emulated_topology
 
@@ -20,9 +22,9 @@ pytestmark = pytest.mark.ray
 HEADS, DIM, TOKENS_PER_REGION = 4, 32, 64
 
 
-def region(num_layers: int, seed: int) -> HostRegion:
+def region(num_layers: int, seed: int, dtype: str = "float32") -> HostRegion:
     """A cpu_compute region of DeepSeek-V4 entries (one KV head read as K and V), filled at random."""
-    fmt = EntryFormat(num_layers, DIM).kv_format("float32", block_size=4)
+    fmt = EntryFormat(num_layers, DIM).kv_format(dtype, block_size=4)
     made = HostRegion.create("cpu_compute", fmt, TOKENS_PER_REGION // 4, segment_blocks=TOKENS_PER_REGION // 4,
                              shard=0, pin=False, label=f"test{os.getpid()}")
     made.commit(0)
@@ -39,7 +41,7 @@ def reference(q, rows, scale):
 
 @pytest.fixture(scope="module")
 def worker(ray_cluster):
-    regions = [region(2, seed=1), region(1, seed=2)]
+    regions = [region(2, seed=1), region(1, seed=2), region(1, seed=3, dtype="bfloat16")]
     spec = ChannelSpec(shm_name="named below", owner_pid=0, fd=-1,
                        socket_address=f"\0writescope-test-{secrets.token_hex(4)}", max_seqs=2, max_blocks=8,
                        num_q_heads=HEADS, head_dim_qk=DIM, head_dim_v=DIM)
@@ -85,8 +87,22 @@ def test_blocks_and_tokens_index_the_same_region_differently(worker):
     torch.testing.assert_close(out, reference(q, rows[None], 0.125)[0], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_q_crosses_in_its_dtype_and_gives_the_local_kernels_result_exactly(worker, q_dtype):
+    # A bf16 q over bf16 KV takes the kernel's bf16-dot path (probabilities rounded to bf16) where the
+    # CPU has a faster dot; sent as float32 it would take the float32 path and differ by ~1e-3.
+    client, regions = worker
+    q = torch.randn(2, HEADS, DIM).to(q_dtype)
+    table = torch.tensor([[5, 63, 17, 0, 0, 0], [40, 2, 33, 8, 61, 12]], dtype=torch.int32)
+    lens = torch.tensor([3, 6], dtype=torch.int32)
+    client.send(0, q, table, lens, 0.125, region=2, unit=TOKENS)
+    out, lse, _ = client.receive()
+    local_out, local_lse, _ = ops.cpu_paged_attention_timed(q, selected_source(regions[2], 0, table, lens), 0.125)
+    assert torch.equal(out, local_out) and torch.equal(lse, local_lse)
+
+
 @pytest.mark.parametrize(("region", "layer", "table", "unit", "message"), [
-    (2, 0, [[1]], TOKENS, r"region 2 is outside \[0, 2\)"),
+    (3, 0, [[1]], TOKENS, r"region 3 is outside \[0, 3\)"),
     (1, 1, [[1]], TOKENS, r"layer 1 is outside \[0, 1\) of region 1"),
     (0, 0, [[TOKENS_PER_REGION]], TOKENS, r"\[0, 0\] = 64 is outside \[0, 64\)"),  # one past its last token
     (0, 0, [[-3]], TOKENS, r"\[0, 0\] = -3 is outside \[0, 64\)"),
