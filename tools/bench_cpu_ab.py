@@ -62,8 +62,8 @@ def measure(builds, shape, seq_len: int, cold_bytes: int, rounds: int) -> list[l
     for module in builds:
         call(module, q[None], sources[0], scale, out, lse)
         # a build on its bf16-dot path rounds the probabilities to bf16 (see ops.cpu_rounds_probabilities)
-        rounds = getattr(module, "uses_bf16_dot", lambda: False)()
-        rounding = reference.probability_rounding_atol(v) if rounds else 0.0
+        rounds_probabilities = getattr(module, "uses_bf16_dot", lambda: False)()
+        rounding = reference.probability_rounding_atol(v) if rounds_probabilities else 0.0
         torch.testing.assert_close(out[0], ref_out, atol=2e-5 + rounding, rtol=1e-4)
         torch.testing.assert_close(lse[0], ref_lse, atol=2e-5, rtol=1e-5)
     calls_per_turn = max(3, num_copies)
