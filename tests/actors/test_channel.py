@@ -12,7 +12,16 @@ import ray
 import torch
 
 from writescope import ops
-from writescope.actors.cpu_worker import BLOCKS, TOKENS, ChannelSpec, CPUWorker, PartialClient, create_segment
+from writescope.actors.cpu_worker import (
+    BLOCKS,
+    Q_DTYPES,
+    REQUEST,
+    TOKENS,
+    ChannelSpec,
+    CPUWorker,
+    PartialClient,
+    create_segment,
+)
 from writescope.deepseek_v4_engine import EntryFormat
 from writescope.inplace_kv_cache import selected_source
 from writescope.kv_regions import HostRegion
@@ -99,6 +108,25 @@ def test_q_crosses_in_its_dtype_and_gives_the_local_kernels_result_exactly(worke
     out, lse, _ = client.receive()
     local_out, local_lse, _ = ops.cpu_paged_attention_timed(q, selected_source(regions[2], 0, table, lens), 0.125)
     assert torch.equal(out, local_out) and torch.equal(lse, local_lse)
+
+
+def test_a_request_with_an_unknown_q_dtype_is_an_error_naming_it_and_the_worker_goes_on(worker):
+    # PartialClient.send only writes the codes of Q_DTYPES: forge the header as another client could.
+    client, _ = worker
+    q = torch.randn(1, HEADS, DIM)
+    table, lens = torch.tensor([[1]], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    client.send(0, q, table, lens, 0.125, region=0, unit=TOKENS)
+    client.receive()
+    request_id = REQUEST.unpack(client._request[0])[0] + 1  # noqa: SLF001 - forging the wire on purpose
+    client._next_id = request_id  # noqa: SLF001
+    forged = REQUEST.pack(request_id, 0, 0, 1, 1, TOKENS, len(Q_DTYPES), 0.125)
+    client._request = (forged, q, table.numpy(), lens.numpy())  # noqa: SLF001
+    client._transmit()  # noqa: SLF001
+    with pytest.raises(RuntimeError, match=r"q dtype code 3 is outside \[0, 3\)"):
+        client.receive()
+    client.send(0, q, table, lens, 0.125, region=0, unit=TOKENS)
+    out, _, _ = client.receive()  # still answering
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize(("region", "layer", "table", "unit", "message"), [

@@ -599,31 +599,44 @@ struct PairedKernel {
           for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::fma(ps, second[vi], S::fma(pf, first[vi], sum[gi][vi]));
         }
       }
-      if (valid % 2) {
-        V first[NV], unused[NV];
-        for (int vi = 0; vi < NV; ++vi) Kv::template pairs<S>(v + vi * W * 2, W, first[vi], unused[vi]);
-        for (int gi = 0; gi < GT; ++gi) {
-          const V pf = S::set1(p[gi * row]);
-          for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::fma(pf, first[vi], sum[gi][vi]);
-        }
-      }
+      if (valid % 2) lone_token<GT, NV>(sum, v, p, row);
     }
     pf = prefetch;
     for (int gi = 0; gi < GT; ++gi)
       for (int vi = 0; vi < NV; ++vi) S::store(acc + (g0 + gi) * dim_v + d0 + vi * W, sum[gi][vi]);
   }
 
+  // A lone last token (odd count): its pair's first half at v times its float32 probability at
+  // p[gi * row] for head gi; the pair's second half is past the end, may hold NaN, and is not read
+  // into the sums.
   template <int GT, int NV>
-  void value_heads(int64_t g0, int64_t blocks, int64_t count, float* acc) {
-    if (stride == kTileTokens) value_dims<GT, NV, kTileTokens>(g0, blocks, count, acc);
-    else value_dims<GT, NV, 0>(g0, blocks, count, acc);
+  WS_INLINE void lone_token(V (&sum)[GT][NV], const T* v, const float* p, int64_t row) {
+    V first[NV], unused[NV];
+    for (int vi = 0; vi < NV; ++vi) Kv::template pairs<S>(v + vi * W * 2, W, first[vi], unused[vi]);
+    for (int gi = 0; gi < GT; ++gi) {
+      const V pt = S::set1(p[gi * row]);
+      for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::fma(pt, first[vi], sum[gi][vi]);
+    }
   }
 
-  template <int GT, int NV, int64_t kRow>
+  // kDot: the steps through the bf16 dot (dot_value_step), else through FMAs (value_step).
+  template <int GT, int NV, bool kDot = false>
+  void value_heads(int64_t g0, int64_t blocks, int64_t count, float* acc) {
+    if (stride == kTileTokens) value_dims<GT, NV, kTileTokens, kDot>(g0, blocks, count, acc);
+    else value_dims<GT, NV, 0, kDot>(g0, blocks, count, acc);
+  }
+
+  template <int GT, int NV, int64_t kRow, bool kDot>
+  WS_INLINE void value_step_with(int64_t g0, int64_t d0, int64_t blocks, int64_t count, float* acc) {
+    if constexpr (kDot) dot_value_step<GT, NV, kRow>(g0, d0, blocks, count, acc);
+    else value_step<GT, NV, kRow>(g0, d0, blocks, count, acc);
+  }
+
+  template <int GT, int NV, int64_t kRow, bool kDot>
   void value_dims(int64_t g0, int64_t blocks, int64_t count, float* acc) {
     int64_t d = 0;
-    for (; d + NV * W <= dim_v; d += NV * W) value_step<GT, NV, kRow>(g0, d, blocks, count, acc);
-    for (; d + W <= dim_v; d += W) value_step<GT, 1, kRow>(g0, d, blocks, count, acc);
+    for (; d + NV * W <= dim_v; d += NV * W) value_step_with<GT, NV, kRow, kDot>(g0, d, blocks, count, acc);
+    for (; d + W <= dim_v; d += W) value_step_with<GT, 1, kRow, kDot>(g0, d, blocks, count, acc);
     if (d < dim_v) value_tail<GT>(g0, d, blocks, count, acc);
   }
 
@@ -676,8 +689,8 @@ struct PairedKernel {
   }
 
   // GT heads x NV vectors of W dims, over the tile's token pairs; a lone last token through an FMA
-  // of its float32 probability (its pair's second slot is past the end and may hold NaN, which a
-  // zero probability would not cancel in a dot).
+  // of its float32 probability (lone_token: its pair's second slot may hold NaN, which a zero
+  // probability would not cancel in a dot).
   template <int GT, int NV, int64_t kRow>
   WS_INLINE void dot_value_step(int64_t g0, int64_t d0, int64_t blocks, int64_t count, float* acc) {
     if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
@@ -703,15 +716,7 @@ struct PairedKernel {
             for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::dot_bf16(sum[gi][vi], probabilities, pair[vi]);
           }
         }
-        if (valid % 2) {
-          const float* last = scores + g0 * row + j * block_size + valid - 1;
-          V first[NV], unused[NV];
-          for (int vi = 0; vi < NV; ++vi) Kv::template pairs<S>(v + vi * W * 2, W, first[vi], unused[vi]);
-          for (int gi = 0; gi < GT; ++gi) {
-            const V pf = S::set1(last[gi * row]);
-            for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::fma(pf, first[vi], sum[gi][vi]);
-          }
-        }
+        if (valid % 2) lone_token<GT, NV>(sum, v, scores + g0 * row + j * block_size + valid - 1, row);
       }
       pf = prefetch;
       for (int gi = 0; gi < GT; ++gi)
@@ -719,29 +724,15 @@ struct PairedKernel {
     }
   }
 
-  template <int GT, int NV, int64_t kRow>
-  void dot_value_dims(int64_t g0, int64_t blocks, int64_t count, float* acc) {
-    int64_t d = 0;
-    for (; d + NV * W <= dim_v; d += NV * W) dot_value_step<GT, NV, kRow>(g0, d, blocks, count, acc);
-    for (; d + W <= dim_v; d += W) dot_value_step<GT, 1, kRow>(g0, d, blocks, count, acc);
-    if (d < dim_v) value_tail<GT>(g0, d, blocks, count, acc);
-  }
-
-  // Sixteen accumulators where the dims allow; V and the broadcasts stay within the load ports.
-  template <int GT>
-  void dot_value_heads(int64_t g0, int64_t blocks, int64_t count, float* acc) {
-    constexpr int NV = GT >= 8 ? 2 : GT >= 4 ? 4 : 8;
-    if (stride == kTileTokens) dot_value_dims<GT, NV, kTileTokens>(g0, blocks, count, acc);
-    else dot_value_dims<GT, NV, 0>(g0, blocks, count, acc);
-  }
-
+  // Sixteen accumulators where the dims allow (GT x NV); V and the broadcasts stay within the load
+  // ports.
   void dot_values(int64_t blocks, int64_t count, float* acc) {
     round_probabilities(count);
     int64_t g = 0;
-    for (; g + 8 <= group; g += 8) dot_value_heads<8>(g, blocks, count, acc);
-    for (; g + 4 <= group; g += 4) dot_value_heads<4>(g, blocks, count, acc);
-    for (; g + 2 <= group; g += 2) dot_value_heads<2>(g, blocks, count, acc);
-    for (; g < group; ++g) dot_value_heads<1>(g, blocks, count, acc);
+    for (; g + 8 <= group; g += 8) value_heads<8, 2, true>(g, blocks, count, acc);
+    for (; g + 4 <= group; g += 4) value_heads<4, 4, true>(g, blocks, count, acc);
+    for (; g + 2 <= group; g += 2) value_heads<2, 8, true>(g, blocks, count, acc);
+    for (; g < group; ++g) value_heads<1, 8, true>(g, blocks, count, acc);
   }
 
   void accumulate_values(int64_t blocks, int64_t count, float* acc) {
