@@ -41,25 +41,34 @@ def measure(args, chunk: int) -> dict:
     try:
         generator = torch.Generator().manual_seed(0)
         long_prompt = torch.randint(1, 250, (args.context,), generator=generator).tolist()
-        short = service.submit([5, 6, 7, 8], SamplingParams(max_new_tokens=args.short_tokens))
+        short = service.submit([5, 6, 7, 8], SamplingParams(max_new_tokens=args.short_tokens, ignore_eos=True))
         stamps, long_times = [], {}
         for event in short:
             stamps.append(time.perf_counter())
             if len(stamps) == args.warm_tokens:
                 long_times["submitted"] = time.perf_counter()
-                long = service.submit(long_prompt, SamplingParams(max_new_tokens=2))
+                long = service.submit(long_prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
                 threading.Thread(target=_first_token, args=(long, long_times), daemon=True).start()
             if event.finish_reason is not None or "first" in long_times and len(stamps) > args.warm_tokens + 8:
                 break
-        while "first" not in long_times:
-            time.sleep(0.01)
+        _wait_for_first_token(long_times)
     finally:
         service.close()
         engine.shutdown()
     return _row(args, chunk, stamps, long_times)
 
 
+def _wait_for_first_token(long_times: dict) -> None:
+    while "first" not in long_times:
+        if "error" in long_times:
+            raise RuntimeError(f"the long prompt's request failed: {long_times['error']}")
+        time.sleep(0.01)
+
+
 def _row(args, chunk: int, stamps: list[float], long_times: dict) -> dict:
+    if stamps[-1] < long_times["first"]:
+        raise RuntimeError(f"the short stream ended after {len(stamps)} tokens, before the long prompt's first "
+                           f"token: its gaps would not cover the prefill; raise --short-tokens")
     during = [b - a for a, b in zip(stamps, stamps[1:], strict=False)
               if b > long_times["submitted"] and a < long_times["first"]]
     ttft_s = long_times["first"] - long_times["submitted"]
@@ -77,19 +86,22 @@ def measure_http(args, chunk: int) -> dict:
     stamps, long_times = [], {}
     with local_serve_app(app_args) as base_url:
         url = base_url + "/v1/completions"
-        short = {"model": args.preset, "prompt": [5, 6, 7, 8], "max_tokens": args.short_tokens, "stream": True}
+        # greedy and past EOS: a random-weight model may draw EOS at any step, which would end the
+        # stream being timed before the long prompt's prefill is over
+        short = {"model": args.preset, "prompt": [5, 6, 7, 8], "max_tokens": args.short_tokens, "stream": True,
+                 "temperature": 0, "ignore_eos": True}
         with requests.post(url, json=short, stream=True, timeout=600) as response:
             response.raise_for_status()
             for _chunk in _sse(response):
                 stamps.append(time.perf_counter())
                 if len(stamps) == args.warm_tokens:
                     long_times["submitted"] = time.perf_counter()
-                    long = {"model": args.preset, "prompt": long_prompt, "max_tokens": 2, "stream": True}
+                    long = {"model": args.preset, "prompt": long_prompt, "max_tokens": 2, "stream": True,
+                            "temperature": 0, "ignore_eos": True}
                     threading.Thread(target=_first_http_token, args=(url, long, long_times), daemon=True).start()
                 if "first" in long_times and len(stamps) > args.warm_tokens + 8:
                     break
-        while "first" not in long_times:
-            time.sleep(0.01)
+        _wait_for_first_token(long_times)
     return _row(args, chunk, stamps, long_times)
 
 
@@ -104,15 +116,21 @@ def _sse(response):
 
 
 def _first_http_token(url: str, body: dict, times: dict) -> None:
-    with requests.post(url, json=body, stream=True, timeout=3600) as response:
-        response.raise_for_status()
-        for _chunk in _sse(response):
-            times.setdefault("first", time.perf_counter())
+    try:
+        with requests.post(url, json=body, stream=True, timeout=3600) as response:
+            response.raise_for_status()
+            for _chunk in _sse(response):
+                times.setdefault("first", time.perf_counter())
+    except Exception as error:  # reported by _wait_for_first_token in the measuring thread
+        times["error"] = repr(error)
 
 
 def _first_token(stream, times: dict) -> None:
-    for _event in stream:
-        times.setdefault("first", time.perf_counter())
+    try:
+        for _event in stream:
+            times.setdefault("first", time.perf_counter())
+    except Exception as error:
+        times["error"] = repr(error)
 
 
 def main(argv: list[str] | None = None) -> int:
