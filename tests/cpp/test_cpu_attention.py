@@ -58,6 +58,17 @@ def test_mla_latent_shared_by_all_heads(cpu_variant, num_q_heads, seq_len):
     check_against_reference(q, k, k[..., :512], scale=192**-0.5)
 
 
+@pytest.mark.parametrize(("num_q_heads", "head_dim"), [(16, 72), (32, 64), (16, 66), (48, 128)])
+def test_many_heads_on_one_kv_head_with_bf16_q(cpu_variant, num_q_heads, head_dim):
+    # Whole 16-head chunks with head dims in 4s take the scores with heads in vector lanes where the
+    # bf16 dot runs (66 dims do not); 37 tokens end in a partial block of 8; q rows are strided.
+    fused = torch.randn(num_q_heads, 2 * head_dim).to(torch.bfloat16)
+    q = fused[:, head_dim:]
+    k = torch.randn(1, 37, head_dim).to(torch.bfloat16)
+    v = torch.randn(1, 37, head_dim).to(torch.bfloat16)
+    check_against_reference(q, k, v)
+
+
 def test_explicit_scale(cpu_variant):
     q, k, v = make_inputs(**BASE)
     check_against_reference(q, k, v, scale=0.031)

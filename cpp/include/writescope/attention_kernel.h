@@ -311,6 +311,8 @@ struct ItemKernel {
   // float32, so this is as accurate as widening first (the scale is applied after the dot).
   bool bf16_dot = false;
   const uint16_t* q_bf16 = nullptr;  // [group, q_head_stride] rows of this item's heads
+  bool lane_heads = false;  // the dot path's scores with heads in lanes (lane_scores)
+  uint32_t* q_lanes = nullptr;
 
   ItemKernel(const PagedAttentionArgs& args, Workspace ws)
       : a(args),
@@ -487,6 +489,8 @@ struct ItemKernel {
       bf16_dot = a.q_dtype == DType::kBFloat16 && a.use_bf16_dot && !amx;
       if (bf16_dot) {
         q_bf16 = static_cast<const uint16_t*>(a.q) + item.seq * a.q_seq_stride + item.kv_head * group * a.q_head_stride;
+        lane_heads = group % W == 0 && dim_qk % 4 == 0;
+        if (lane_heads) load_lane_queries();
         return;
       }
     }
@@ -644,6 +648,7 @@ struct ItemKernel {
 
   void compute_scores(int64_t count) {
     if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
+      if (bf16_dot && lane_heads) return lane_scores(count);
       if (bf16_dot) {
         // Each head group over the whole tile. Every head group over 4 token rows before the next
         // rows (rows and all heads' q kept in L1) measured 0.96x from L3 on a 2-vCPU Zen 4 (MLA).
@@ -693,6 +698,74 @@ struct ItemKernel {
         }
       }
     }
+  }
+
+  // ------------------------------------------------------------------ scores with heads in lanes
+  // The dot path with a group of whole W-head chunks (MLA: 16 or 128 query heads on one latent):
+  // the score vectors hold heads, not tokens. For each 4 dims, a token's two K pairs are one 64-bit
+  // broadcast, and two q vectors hold W / 2 heads each, a head's two q pairs in neighbouring
+  // lanes: two dots take a token's 4 dims for W heads, and the dims sum inside the dots (one add of
+  // neighbouring lanes per token at the end) where dot_block reduces a vector per (head, token).
+  // Per step: 2 q loads and kLaneTokens broadcasts for 2 kLaneTokens dots, the paired kernel's
+  // ratio. The vectors go to the [head, token] scores through a small transpose buffer.
+  static constexpr int kLaneTokens = 8;  // 16 accumulators: enough dots in flight for the latency
+
+  // q as [group / W, dim_qk / 4, 2, W] 32-bit words: for dims [4 P, 4 P + 4) and heads c W + h W / 2
+  // + j (j < W / 2), word 2 j holds the bf16 pair (4 P, 4 P + 1) and word 2 j + 1 the pair (4 P + 2,
+  // 4 P + 3). In q32's memory, unused on the dot path (its group * dim_qk floats hold the words).
+  void load_lane_queries() {
+    q_lanes = reinterpret_cast<uint32_t*>(q32);
+    const int64_t quads = dim_qk / 4;
+    const auto pair_at = [](const uint16_t* row, int64_t d) { return uint32_t{row[d]} | (uint32_t{row[d + 1]} << 16); };
+    for (int64_t c = 0; c < group / W; ++c)
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t j = 0; j < W / 2; ++j) {
+          const uint16_t* row = q_bf16 + (c * W + h * (W / 2) + j) * a.q_head_stride;
+          for (int64_t quad = 0; quad < quads; ++quad) {
+            uint32_t* words = q_lanes + ((c * quads + quad) * 2 + h) * W;
+            words[2 * j] = pair_at(row, 4 * quad);
+            words[2 * j + 1] = pair_at(row, 4 * quad + 2);
+          }
+        }
+  }
+
+  void lane_scores(int64_t count) {
+    for (int64_t t = 0; t < count; t += kLaneTokens) {
+      const int64_t n = count - t < kLaneTokens ? count - t : kLaneTokens;
+      for (int64_t c = 0; c < group / W; ++c) lane_score_block(c, t, n);
+    }
+  }
+
+  // Head chunk c's scores of tokens [t0, t0 + n), n <= kLaneTokens.
+  WS_INLINE void lane_score_block(int64_t c, int64_t t0, int64_t n) {
+    if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
+      const uint16_t* rows[kLaneTokens];
+      for (int ti = 0; ti < kLaneTokens; ++ti) rows[ti] = k_rows[t0 + (ti < n ? ti : n - 1)];  // past n: not stored
+      V acc[kLaneTokens][2];
+      for (int ti = 0; ti < kLaneTokens; ++ti) acc[ti][0] = acc[ti][1] = S::zero();
+      const int64_t quads = dim_qk / 4;
+      const uint32_t* q = q_lanes + c * quads * 2 * W;
+      for (int64_t quad = 0; quad < quads; ++quad) {
+        const typename S::Raw q_low = S::load_raw(reinterpret_cast<const uint16_t*>(q + quad * 2 * W));
+        const typename S::Raw q_high = S::load_raw(reinterpret_cast<const uint16_t*>(q + quad * 2 * W + W));
+        for (int ti = 0; ti < kLaneTokens; ++ti) {
+          const typename S::Raw k = S::raw_set1_64(quad_at(rows[ti] + 4 * quad));
+          acc[ti][0] = S::dot_bf16(acc[ti][0], q_low, k);
+          acc[ti][1] = S::dot_bf16(acc[ti][1], q_high, k);
+        }
+      }
+      alignas(64) float lanes[kLaneTokens][W];
+      const V scale = S::set1(a.scale);
+      for (int ti = 0; ti < kLaneTokens; ++ti) S::store(lanes[ti], S::mul(scale, S::add_lane_pairs(acc[ti][0], acc[ti][1])));
+      for (int64_t lane = 0; lane < W; ++lane)
+        for (int64_t ti = 0; ti < n; ++ti) scores[(c * W + lane) * kTileTokens + t0 + ti] = lanes[ti][lane];
+    }
+  }
+
+  static WS_INLINE uint64_t quad_at(const uint16_t* p) {
+    uint64_t quad;
+    std::memcpy(&quad, p, 8);
+    return quad;
   }
 
   template <int N>

@@ -18,6 +18,14 @@ struct Avx512Bf16Simd : Avx512Simd {
   static constexpr int kBf16PerRaw = 32;
   static Raw load_raw(const uint16_t* p) { return _mm512_loadu_si512(p); }
   static Raw raw_set1(uint32_t bits) { return _mm512_set1_epi32(static_cast<int>(bits)); }
+  static Raw raw_set1_64(uint64_t bits) { return _mm512_set1_epi64(static_cast<long long>(bits)); }
+  // Lanes (2 j, 2 j + 1) of a, then of b, summed: 16 sums, a's 8 first.
+  static V add_lane_pairs(V a, V b) {
+    const V a_sums = _mm512_add_ps(a, _mm512_permute_ps(a, 0xB1));  // both lanes of a pair hold its sum
+    const V b_sums = _mm512_add_ps(b, _mm512_permute_ps(b, 0xB1));
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    return _mm512_permutex2var_ps(a_sums, even, b_sums);
+  }
   // The first n (<= 16) 32-bit words at p (a bf16 pair each), zeros past them; nothing past word n is read.
   static Raw load_raw_words(const uint16_t* p, int64_t n) { return _mm512_maskz_loadu_epi32(first_lanes(n), p); }
   static V dot_bf16(V acc, Raw a, Raw b) { return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b); }
