@@ -268,7 +268,6 @@ struct ItemKernel {
   // once for more FMAs.
   static constexpr int kScoreHeadTile = 4;
   static constexpr int kValueHeadTile = S::kRegisters >= 32 ? 8 : 4;
-  static constexpr int kPrefetchTiles = 3;
   static constexpr int kScoreAccumulators = S::kRegisters >= 32 ? 16 : 8;
   static constexpr int kValueAccumulators = S::kRegisters >= 32 ? 16 : 8;
 
@@ -516,9 +515,7 @@ struct ItemKernel {
     }
   }
 
-  // Asking for a whole tile's lines at once keeps many misses in flight, where the hardware
-  // prefetcher alone leaves the kernel waiting on memory latency. The next tile goes to L2 only,
-  // so it does not evict the current tile from L1.
+  // A row's lines, asked for at once (an item's first tile, into L1: nothing computes yet).
   template <int kLocality>
   static void prefetch_row(const T* row, int64_t dim) {
     const char* bytes = reinterpret_cast<const char*>(row);
@@ -526,12 +523,15 @@ struct ItemKernel {
       __builtin_prefetch(bytes + offset, 0, kLocality);
   }
 
-  // Row pointers of the tile's tokens, walking the block table without a division per token, and
-  // prefetches of the next kPrefetchTiles tiles (of this tile too, on the item's first tile).
-  // Every tile asks again for lines it asked for before: a prefetch of a line already in flight
-  // costs little, and asking again refills requests the CPU dropped when its miss buffers were
-  // full. Measured on Zen 5 at 128K: 3 tiles ahead, re-asked, beat 1 tile ahead by 25-35%, and
-  // beat asking once for the tile 2-4 ahead.
+  // Row pointers of the tile's tokens, walking the block table without a division per token; the
+  // next tile's rows (in an item's last tile, those of the first tile of the item this thread
+  // likely takes next: next_item_rows) go to the prefetcher, which asks for their lines a few at a
+  // time from inside the tile's score loops; the item's first tile is asked for into L1 here. MLA
+  // at 16 heads (lane scores, a tile of 35K dots, time for the lines a tile ahead to come), measured
+  // on a 2-vCPU Zen 4 interleaved against asking for the next three tiles at each tile's start:
+  // 1.15x at 8K, 1.09x at 32K and 128K, then 1.08x / 1.04x at 8K / 32K for the next item's tile;
+  // the avx512 variant 1.15x / 1.07x at 8K / 32K, avx2 0.98x at 8K. Asking every 8 lane steps
+  // instead of 16 measured 0.95x.
   void gather_rows(const WorkItem& item, int64_t begin, int64_t count) {
     const int32_t* table = a.block_table + item.seq * a.block_table_stride;
     int64_t block = begin / a.block_size;
@@ -539,48 +539,31 @@ struct ItemKernel {
     const T* k_base = static_cast<const T*>(a.k) + item.kv_head * a.k_head_stride;
     const T* v_base = static_cast<const T*>(a.v) + item.kv_head * a.v_head_stride;
     const bool first_tile = begin == item.token_begin;
-    // The tile path and the lane scores spread the next tile's lines over their products; the
-    // vector path asks for the next three tiles here. MLA's lane scores, a tile of 35K dots, give
-    // the lines a tile ahead time to come: spread, one tile ahead, measured on a 2-vCPU Zen 4
-    // (interleaved against the three-tile bursts) 1.15x at 8K, 1.09x at 32K and 128K, and asking
-    // for the next item's first tile during the last (next_item_rows) 1.08x / 1.04x at 8K / 32K
-    // on top. Asking every 8 steps instead of 16 measured 0.95x.
-    const bool spread = amx || lane_heads;
-    const int64_t ahead_tiles = spread ? 1 : kPrefetchTiles;
-    const int64_t ahead_limit = begin + count + ahead_tiles * kTileTokens;
-    const int64_t end = ahead_limit < item.token_end ? ahead_limit : item.token_end;
+    const int64_t end = begin + count + kTileTokens < item.token_end ? begin + count + kTileTokens : item.token_end;
     const bool v_in_k = a.v == a.k && a.v_head_stride == a.k_head_stride && a.v_block_stride == a.k_block_stride &&
                         a.v_token_stride == a.k_token_stride;
-    if (spread) {
-      prefetch.finish();
-      if (lane_heads && prefetch.steps == 0) prefetch.steps = lane_steps(count);  // the first tile's pace
-      prefetch.rows = ahead_rows;
-      prefetch.k_bytes = dim_qk * static_cast<int64_t>(sizeof(T));
-      prefetch.v_bytes = v_in_k ? 0 : dim_v * static_cast<int64_t>(sizeof(T));
-      int64_t ahead = end - begin - count;
-      if (ahead == 0 && lane_heads) ahead = next_item_rows(item.next, v_in_k);
-      prefetch.reset(ahead, ahead * ((prefetch.k_bytes + 63) / 64 + (prefetch.v_bytes + 63) / 64));
-    }
+    prefetch.finish();
+    if (prefetch.steps == 0 && !amx) prefetch.steps = lane_heads ? lane_steps(count) : vector_steps(count);
+    prefetch.rows = ahead_rows;
+    prefetch.k_bytes = dim_qk * static_cast<int64_t>(sizeof(T));
+    prefetch.v_bytes = v_in_k ? 0 : dim_v * static_cast<int64_t>(sizeof(T));
+    int64_t ahead = end - begin - count;
+    if (ahead == 0 && !amx) ahead = next_item_rows(item.next, v_in_k);  // AMX: not measured (no host)
+    prefetch.reset(ahead, ahead * ((prefetch.k_bytes + 63) / 64 + (prefetch.v_bytes + 63) / 64));
     for (int64_t t = 0; begin + t < end; ++t) {
       const int64_t physical = table[block];
       const T* k_row = k_base + physical * a.k_block_stride + offset * a.k_token_stride;
       const T* v_row = v_base + physical * a.v_block_stride + offset * a.v_token_stride;
-      if (spread && t >= count) {
+      if (t >= count) {
         ahead_rows[2 * (t - count)] = reinterpret_cast<const char*>(k_row);
         ahead_rows[2 * (t - count) + 1] = v_in_k ? nullptr : reinterpret_cast<const char*>(v_row);
-      } else if (t < count) {
+      } else {
         k_rows[t] = k_row;
         v_rows[t] = v_row;
         if (first_tile) {
           prefetch_row<3>(k_row, dim_qk);
-          if (!v_in_k) prefetch_row<3>(v_row, dim_v);
+          if (!v_in_k) prefetch_row<3>(v_row, dim_v);  // MLA: V's lines are K's
         }
-      } else {
-        prefetch_row<2>(k_row, dim_qk);
-        // MLA: V's lines are K's, asked for already (measured on a 2-vCPU Zen 4, interleaved:
-        // 1.07x at 8K, 1.08x at 32K). Asking only for the tile three ahead, not again for the
-        // two nearer ones, measured 0.91-0.94x there.
-        if (!v_in_k) prefetch_row<2>(v_row, dim_v);
       }
       if (++offset == a.block_size) {
         offset = 0;
@@ -589,9 +572,9 @@ struct ItemKernel {
     }
   }
 
-  // During an item's last tile, the lane scores ask for the first tile of the item this thread
-  // likely takes next, which would otherwise start by waiting for memory: its rows into
-  // ahead_rows, how many they are returned.
+  // The first tile of the item this thread likely takes next, asked for during this item's last
+  // (otherwise the next item starts by waiting for memory): its rows into ahead_rows; returns how
+  // many.
   int64_t next_item_rows(const WorkItem* next, bool v_in_k) {
     if (next == nullptr) return 0;
     const int32_t* table = a.block_table + next->seq * a.block_table_stride;
@@ -666,11 +649,17 @@ struct ItemKernel {
     constexpr int TT = kScoreAccumulators / GT;
     int64_t t = 0;
     if constexpr (kSplitPairs) {
-      for (; t + TT <= count; t += TT) score_block_split<GT, TT>(g0, t);
+      for (; t + TT <= count; t += TT) {
+        prefetch.step();
+        score_block_split<GT, TT>(g0, t);
+      }
       for (; t < count; ++t) score_block_split<GT, 1>(g0, t);
       return;
     }
-    for (; t + TT <= count; t += TT) score_block<GT, TT>(g0, t);
+    for (; t + TT <= count; t += TT) {
+      prefetch.step();
+      score_block<GT, TT>(g0, t);
+    }
     for (; t < count; ++t) score_block<GT, 1>(g0, t);
   }
 
@@ -696,7 +685,10 @@ struct ItemKernel {
   void dot_heads(int64_t g0, int64_t count) {
     constexpr int TT = kScoreAccumulators / GT;
     int64_t t = 0;
-    for (; t + TT <= count; t += TT) dot_block<GT, TT>(g0, t);
+    for (; t + TT <= count; t += TT) {
+      prefetch.step();
+      dot_block<GT, TT>(g0, t);
+    }
     for (; t < count; ++t) dot_block<GT, 1>(g0, t);
   }
 
@@ -739,6 +731,12 @@ struct ItemKernel {
   static constexpr int kLaneTokens = 8;  // 16 accumulators: enough dots in flight for the latency
   // The next tile's lines are asked for a few at a time, every kLaneStepQuads steps of the scores.
   static constexpr int64_t kLaneStepQuads = 16;
+
+  // The score blocks of a tile (one prefetch step each) on the vector paths.
+  int64_t vector_steps(int64_t count) const {
+    const int64_t chunks = (group + kScoreHeadTile - 1) / kScoreHeadTile;
+    return chunks * (count / (kScoreAccumulators / kScoreHeadTile) + 1);
+  }
 
   int64_t lane_steps(int64_t count) const {
     return (count + kLaneTokens - 1) / kLaneTokens * (group / W) * (dim_qk / 4 / kLaneStepQuads);
