@@ -530,7 +530,7 @@ struct ItemKernel {
   // at 16 heads (lane scores, a tile of 35K dots, time for the lines a tile ahead to come), measured
   // on a 2-vCPU Zen 4 interleaved against asking for the next three tiles at each tile's start:
   // 1.15x at 8K, 1.09x at 32K and 128K, then 1.08x / 1.04x at 8K / 32K for the next item's tile;
-  // the avx512 variant 1.15x / 1.07x at 8K / 32K, avx2 0.98x at 8K. Asking every 8 lane steps
+  // the avx512 variant 1.06-1.15x / 1.07x at 8K / 32K, avx2 0.98x at 8K. Asking every 8 lane steps
   // instead of 16 measured 0.95x.
   void gather_rows(const WorkItem& item, int64_t begin, int64_t count) {
     const int32_t* table = a.block_table + item.seq * a.block_table_stride;
