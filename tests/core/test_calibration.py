@@ -153,11 +153,20 @@ def test_a_wait_for_the_kernel_pool_is_not_counted_as_cpu_compute():
     wall, own = sorted(walls)[4], sorted(seconds)[4]
     assert wall > 5 * own, (wall, own)  # it did wait for the pool
     assert own < 3 * alone + 1e-3, (own, alone)
-    policy = make_policy("writescope", PerfModel(alone / 1024, alone / 1024, 0.0, 0.0, overlap=0.0))
-    for own_s in seconds:
-        policy.observe_step(1024, own_s, 0, 0.0)
+    learned = _learned_cpu_s_per_token(alone, seconds)
+    # Against what the policy would learn had each wait been counted (the walls): a noisy host can
+    # slow some of the kernel's own calls several times over (a full make test here once led to A at
+    # 13x alone's, the median own call within 3x), but not to the blocker's wait.
+    assert learned < 0.5 * _learned_cpu_s_per_token(alone, walls), (learned, seconds, walls)
+
+
+def _learned_cpu_s_per_token(alone_s: float, layer_seconds: list[float]) -> float:
+    """The A a writescope policy calibrated at alone_s per 1024 tokens learns from these layers."""
+    policy = make_policy("writescope", PerfModel(alone_s / 1024, alone_s / 1024, 0.0, 0.0, overlap=0.0))
+    for seconds in layer_seconds:
+        policy.observe_step(1024, seconds, 0, 0.0)
         policy.end_step()
-    assert policy.model.cpu_s_per_token < 3 * alone / 1024 + 1e-6
+    return policy.model.cpu_s_per_token
 
 
 class _LongKernel:
