@@ -154,10 +154,11 @@ def test_a_wait_for_the_kernel_pool_is_not_counted_as_cpu_compute():
     assert wall > 5 * own, (wall, own)  # it did wait for the pool
     assert own < 3 * alone + 1e-3, (own, alone)
     learned = _learned_cpu_s_per_token(alone, seconds)
-    # Against what the policy would learn had each wait been counted (the walls): a noisy host can
-    # slow some of the kernel's own calls several times over (a full make test here once led to A at
-    # 13x alone's, the median own call within 3x), but not to the blocker's wait.
-    assert learned < 0.5 * _learned_cpu_s_per_token(alone, walls), (learned, seconds, walls)
+    # Against what the policy would learn had each wait been counted (the walls). Measured on a 2-vCPU
+    # Zen 4: 1.2-1.7x alone's A when quiet, 13x once in a loaded full make test (the median own call
+    # still within 3x), and 420-660x with the waits counted: counting a tenth of each wait already
+    # fails this.
+    assert learned < 0.05 * _learned_cpu_s_per_token(alone, walls), (learned, seconds, walls)
 
 
 def _learned_cpu_s_per_token(alone_s: float, layer_seconds: list[float]) -> float:
