@@ -24,6 +24,9 @@ MAX_DECODE_ROWS = 64
 MAX_NORM_ELEMENTS = 1 << 16
 # Tests and benchmarks turn the kernels off to compare against torch on the same weights.
 use_cpu_kernels = True
+# ... and a layer's fused calls (gqa_inputs, output_projection, moe_feed_forward) off, to compare with
+# the same kernels called one op at a time.
+use_fused_layers = True
 
 
 def _cpu():
@@ -35,6 +38,16 @@ def _cpu():
 def _bits(t):
     # bf16 tensor -> numpy int16 view of the same memory (numpy has no bfloat16)
     return t.detach().view(torch.int16).numpy()
+
+
+def _weight_bits(weight):
+    """_bits of a weight, made once and kept on the tensor: a decode step passes each weight every
+    step, and the view costs about 3 us each time (measured, 2-vCPU Zen 4)."""
+    bits = getattr(weight, "_writescope_bits", None)
+    if bits is None:
+        bits = _bits(weight)
+        weight._writescope_bits = bits
+    return bits
 
 
 def _takes(x, *weights) -> bool:
@@ -50,7 +63,7 @@ def linear(x, weight):
         return F.linear(x, weight)
     x_rows = x.reshape(rows, x.shape[-1]).contiguous()
     out = torch.empty((rows, weight.shape[0]), dtype=torch.bfloat16)
-    _cpu().linear_bf16(_bits(x_rows), _bits(weight), _bits(out))
+    _cpu().linear_bf16(_bits(x_rows), _weight_bits(weight), _bits(out))
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -63,7 +76,7 @@ def rms_norm(x, weight, eps: float):
         return None
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty_like(rows)
-    _cpu().rms_norm_bf16(_bits(rows), _bits(weight), float(eps), _bits(out))
+    _cpu().rms_norm_bf16(_bits(rows), _weight_bits(weight), float(eps), _bits(out))
     return out.view(x.shape)
 
 
@@ -79,5 +92,67 @@ def routed_experts(x, weights, experts, gate_up, down):
     up) of the slot's expert, each expert's weights read in place (no gather)."""
     out = torch.empty_like(x)
     _cpu().moe_experts_bf16(_bits(x.contiguous()), _bits(weights.contiguous()),
-                            experts.to(torch.int64).contiguous().numpy(), _bits(gate_up), _bits(down), _bits(out))
+                            experts.to(torch.int64).contiguous().numpy(), _weight_bits(gate_up), _weight_bits(down),
+                            _bits(out))
     return out
+
+
+def gqa_inputs(hidden, norm_weight, eps: float, qkv_weight, q_norm, k_norm, cos, sin, num_q_heads: int,
+               num_kv_heads: int, head_dim: int):
+    """A GQA layer's attention inputs for a decode step in one C++ call, or None when these are not
+    the kernel's (the caller's torch path runs them). hidden [T, hidden_size] bf16; norm_weight
+    [hidden_size]; qkv_weight [(num_q_heads + 2 * num_kv_heads) * head_dim, hidden_size]; q_norm,
+    k_norm [head_dim] or None; cos, sin [T, 1, head_dim] (the step's rope tables) -> (q [T,
+    num_q_heads, head_dim], k, v [T, num_kv_heads, head_dim]) bf16, bit for bit the separate ops'.
+    One call instead of about twenty torch ops a layer, each 2-20 us of dispatch on a small host."""
+    norms = [w for w in (q_norm, k_norm) if w is not None]
+    tokens = hidden.shape[0] if hidden.dim() == 2 else 0
+    if not (use_fused_layers and _takes(hidden, norm_weight, qkv_weight, cos, sin, *norms)
+            and 0 < tokens <= MAX_DECODE_ROWS and hidden.shape[1] % 2 == 0 and head_dim % 2 == 0
+            and cos.shape == sin.shape == (tokens, 1, head_dim)):
+        return None
+    q = torch.empty((tokens, num_q_heads, head_dim), dtype=torch.bfloat16)
+    k = torch.empty((tokens, num_kv_heads, head_dim), dtype=torch.bfloat16)
+    v = torch.empty_like(k)
+    _cpu().gqa_inputs_bf16(
+        _bits(hidden.contiguous()), _weight_bits(norm_weight), float(eps), _weight_bits(qkv_weight),
+        None if q_norm is None else _weight_bits(q_norm), None if k_norm is None else _weight_bits(k_norm),
+        _bits(cos.reshape(tokens, head_dim)), _bits(sin.reshape(tokens, head_dim)), _bits(q), _bits(k), _bits(v))
+    return q, k, v
+
+
+def output_projection(attention, weight, residual):
+    """residual + linear(attention.to(bf16), weight) in one C++ call, or None when these are not the
+    kernel's. attention [T, num_q_heads, head_dim_v] float32, weight [hidden_size, num_q_heads *
+    head_dim_v], residual [T, hidden_size] bf16 -> [T, hidden_size] bf16, bit for bit the separate ops'."""
+    tokens = attention.shape[0] if attention.dim() >= 2 else 0
+    if not (use_fused_layers and _takes(residual, weight) and attention.dtype == torch.float32
+            and attention.device.type == "cpu" and 0 < tokens <= MAX_DECODE_ROWS and residual.dim() == 2
+            and weight.dim() == 2 and attention.numel() == tokens * weight.shape[1] and weight.shape[1] % 2 == 0
+            and not (torch.is_grad_enabled() and attention.requires_grad)):
+        return None
+    out = torch.empty((tokens, weight.shape[0]), dtype=torch.bfloat16)
+    _cpu().output_projection_bf16(attention.reshape(tokens, -1).contiguous().numpy(), _weight_bits(weight),
+                                  _bits(residual.contiguous()), _bits(out))
+    return out
+
+
+def moe_feed_forward(hidden, norm_weight, eps: float, router_weight, gate_up, down, top_k: int, normalize: bool):
+    """A MoE layer without shared experts, residual included, for a decode step in one C++ call:
+    hidden [T, hidden_size] bf16, norm_weight [hidden_size], router_weight [num_experts, hidden_size],
+    gate_up [E, 2 * inter, hidden_size], down [E, hidden_size, inter] -> hidden + the layer's experts
+    [T, hidden_size] bf16; None when these are not the kernel's, or when a token's routing meets a
+    NaN or a tie between its k-th and (k+1)-th largest logits (torch.topk's tie rule then decides, so
+    the caller's torch path routes the step). The experts are torch's choice; the weights are its
+    softmax in float32, summed in another order (measured: the same bf16 weights in every draw of
+    the tests)."""
+    tokens = hidden.shape[0] if hidden.dim() == 2 else 0
+    if not (use_fused_layers and _takes(hidden, norm_weight, router_weight, gate_up, down)
+            and 0 < tokens <= MAX_DECODE_ROWS and hidden.shape[1] % 2 == 0 and down.dim() == 3
+            and down.shape[-1] % 2 == 0):
+        return None
+    out = torch.empty((tokens, hidden.shape[1]), dtype=torch.bfloat16)
+    routed = _cpu().moe_feed_forward_bf16(_bits(hidden.contiguous()), _weight_bits(norm_weight), float(eps),
+                                          _weight_bits(router_weight), _weight_bits(gate_up), _weight_bits(down),
+                                          int(top_k), bool(normalize), _bits(out))
+    return out if routed else None

@@ -1,7 +1,8 @@
 """A decode step's dense paths, timed in one engine on the same decode steps:
 - `cpu_kernels`: the projections and the routed experts through the C++ extension (`writescope.dense`:
-  each weight read once for the step's rows, each pair's expert read in place), what a CPU decode
-  step takes;
+  each weight read once for the step's rows, each pair's expert read in place), a layer's attention
+  inputs, its output projection and its MoE each one fused call, what a CPU decode step takes;
+- `separate_kernels`: the same kernels one op at a time (norm, projection, rope, routing in torch);
 - `gathered`: torch, every (token, expert) pair at once over the gathered weights;
 - `one_by_one`: torch, each chosen expert once over its tokens (what a prefill takes).
 The paths take turns in blocks of `--block` steps so that the host's drift falls on all alike; the
@@ -22,7 +23,7 @@ from writescope.tools.profile_step import decoding_engine
 from writescope.tools.results import check_positive, host_info, write_json
 
 log = logging.getLogger("bench_moe")
-PATHS = ("cpu_kernels", "gathered", "one_by_one")
+PATHS = ("cpu_kernels", "separate_kernels", "gathered", "one_by_one")
 
 
 def interleaved_steps(preset: str, policy: str, batch: int, context: int, steps: int, block: int,
@@ -43,13 +44,14 @@ def interleaved_steps(preset: str, policy: str, batch: int, context: int, steps:
         for i in range(len(PATHS) * per_path):
             path = PATHS[(i // block) % len(PATHS)]
             engine.model.stacked_experts = {} if path == "one_by_one" else stacked
-            dense.use_cpu_kernels = path == "cpu_kernels"
+            dense.use_cpu_kernels = path in ("cpu_kernels", "separate_kernels")
+            dense.use_fused_layers = path == "cpu_kernels"
             before = engine.stats["decode_s"]
             next(decode)
             times[path].append(engine.stats["decode_s"] - before)
     finally:
         engine.model.stacked_experts = stacked
-        dense.use_cpu_kernels = True
+        dense.use_cpu_kernels = dense.use_fused_layers = True
         engine.shutdown()
     return times
 
@@ -79,11 +81,12 @@ def main(argv: list[str] | None = None) -> int:
                      **{f"{path}_ms": medians[path] for path in PATHS},
                      **{f"{path}_over_cpu_kernels": medians[path] / medians["cpu_kernels"] for path in PATHS[1:]}})
     write_json(args.out, {"args": vars(args), "host": host_info(), "rows": rows})
-    lines = ["| batch | context | cpu kernels ms | torch gathered ms | torch one by one ms | gathered / cpu kernels "
-             "| one by one / cpu kernels |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['context']} | {r['cpu_kernels_ms']:.2f} | {r['gathered_ms']:.2f} | "
-              f"{r['one_by_one_ms']:.2f} | {r['gathered_over_cpu_kernels']:.2f} | "
-              f"{r['one_by_one_over_cpu_kernels']:.2f} |" for r in rows]
+    lines = ["| batch | context | cpu kernels ms | separate kernels ms | torch gathered ms | torch one by one ms "
+             "| separate / cpu kernels | gathered / cpu kernels | one by one / cpu kernels |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['context']} | {r['cpu_kernels_ms']:.2f} | {r['separate_kernels_ms']:.2f} | "
+              f"{r['gathered_ms']:.2f} | {r['one_by_one_ms']:.2f} | {r['separate_kernels_over_cpu_kernels']:.2f} | "
+              f"{r['gathered_over_cpu_kernels']:.2f} | {r['one_by_one_over_cpu_kernels']:.2f} |" for r in rows]
     log.info("%s, %s, %s: median decode step of each path\n%s", args.preset, args.policy, args.dtype, "\n".join(lines))
     return 0
 

@@ -125,8 +125,21 @@ class MoEModel:
     def attention_inputs(self, layer, hidden, rope):
         """hidden [T, hidden], rope: self.rope(positions [T]) -> q [T, num_q_heads, decode_head_dim_qk],
         stored [T, kv_heads, dim] per stored array (K, and V unless V lives inside K)."""
-        x = rms_norm(hidden, self.w[f"model.layers.{layer}.input_layernorm.weight"], self.config.rms_norm_eps)
+        norm_weight = self.w[f"model.layers.{layer}.input_layernorm.weight"]
+        if not self.config.is_mla:
+            fused = self._fused_gqa_inputs(layer, hidden, norm_weight, rope)
+            if fused is not None:
+                q, k, v = fused
+                return q, [k, v]
+        x = rms_norm(hidden, norm_weight, self.config.rms_norm_eps)
         return self._mla_inputs(layer, x, rope) if self.config.is_mla else self._gqa_inputs(layer, x, rope)
+
+    def _fused_gqa_inputs(self, layer, hidden, norm_weight, rope):
+        """The decode step's GQA inputs in one C++ call (dense.gqa_inputs), or None."""
+        cfg, p = self.config, f"model.layers.{layer}.self_attn."
+        norms = (self.w[p + "q_norm.weight"], self.w[p + "k_norm.weight"]) if cfg.arch == "qwen3_moe" else (None, None)
+        return dense.gqa_inputs(hidden, norm_weight, cfg.rms_norm_eps, self.w[p + "qkv_proj.weight"], *norms, *rope,
+                                cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim)
 
     def _gqa_inputs(self, layer, x, rope):
         cfg, p = self.config, f"model.layers.{layer}.self_attn."
@@ -164,10 +177,14 @@ class MoEModel:
     def attention_output(self, layer, attention, hidden):
         """attention [T, num_q_heads, decode_head_dim_v] float32, hidden [T, hidden] -> hidden after attention."""
         cfg = self.config
+        o_proj = self.w[f"model.layers.{layer}.self_attn.o_proj.weight"]
+        if not cfg.is_mla:
+            fused = dense.output_projection(attention, o_proj, hidden)
+            if fused is not None:
+                return fused
         attention = attention.to(hidden.dtype)
         if cfg.is_mla:  # latent -> per-head values
             attention = torch.einsum("thc,hvc->thv", attention, self.w[f"absorbed.{layer}.w_uv"])
-        o_proj = self.w[f"model.layers.{layer}.self_attn.o_proj.weight"]
         out = dense.linear(attention.reshape(attention.shape[0], -1), o_proj)
         return hidden + out
 
@@ -175,12 +192,26 @@ class MoEModel:
     def feed_forward(self, layer, hidden):
         # hidden [T, hidden] -> [T, hidden]
         p = f"model.layers.{layer}."
-        x = rms_norm(hidden, self.w[p + "post_attention_layernorm.weight"], self.config.rms_norm_eps)
+        norm_weight = self.w[p + "post_attention_layernorm.weight"]
+        fused = self._fused_moe(layer, hidden, norm_weight)
+        if fused is not None:
+            return fused
+        x = rms_norm(hidden, norm_weight, self.config.rms_norm_eps)
         if not self.config.is_moe_layer(layer):
             out = swiglu(x, self.w[p + "mlp.gate_up_proj.weight"], self.w[p + "mlp.down_proj.weight"])
         else:
             out = self._moe(layer, x)
         return hidden + out
+
+    def _fused_moe(self, layer, hidden, norm_weight):
+        """A decode step's MoE layer (softmax top-k routing, stacked experts, no shared experts) with
+        its norm and residual in one C++ call (dense.moe_feed_forward), or None."""
+        cfg, stacked = self.config, self.stacked_experts.get(layer)
+        if stacked is None or cfg.arch == "deepseek_v2" or cfg.n_shared_experts:
+            return None
+        router = self.w[f"model.layers.{layer}.{'block_sparse_moe' if cfg.arch == 'mixtral' else 'mlp'}.gate.weight"]
+        return dense.moe_feed_forward(hidden, norm_weight, cfg.rms_norm_eps, router, *stacked, cfg.top_k,
+                                      cfg.norm_topk_prob)
 
     def _moe(self, layer, x):
         weights, experts = self._route(layer, x)  # [T, top_k] each

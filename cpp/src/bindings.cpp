@@ -35,6 +35,23 @@ PYBIND11_MODULE(_cpu, m) {
         py::arg("out").noconvert(),
         "x [rows, dim] bf16 -> out [rows, dim] bf16, written in place: RMSNorm with weight [dim] bf16, as the "
         "reference models compute it (float32 statistics, rounded to bf16, times the weight).");
+  m.def("gqa_inputs_bf16", &gqa_inputs_bf16, py::arg("hidden").noconvert(), py::arg("norm_weight").noconvert(),
+        py::arg("eps"), py::arg("qkv_weight").noconvert(), py::arg("q_norm").noconvert().none(true),
+        py::arg("k_norm").noconvert().none(true), py::arg("cos").noconvert(), py::arg("sin").noconvert(),
+        py::arg("q").noconvert(), py::arg("k").noconvert(), py::arg("v").noconvert(),
+        "A GQA layer's decode inputs in one call: RMSNorm, the fused q/k/v projection, the q and k heads' RMSNorm "
+        "(when given) and rope; writes q [tokens, num_q_heads, head_dim], k and v [tokens, num_kv_heads, head_dim].");
+  m.def("output_projection_bf16", &output_projection_bf16, py::arg("attention").noconvert(),
+        py::arg("weight").noconvert(), py::arg("residual").noconvert(), py::arg("out").noconvert(),
+        "residual + bf16(attention [tokens, width] float32) times weight [hidden, width] transposed -> out "
+        "[tokens, hidden] bf16, written in place.");
+  m.def("moe_feed_forward_bf16", &moe_feed_forward_bf16, py::arg("hidden").noconvert(),
+        py::arg("norm_weight").noconvert(), py::arg("eps"), py::arg("router_weight").noconvert(),
+        py::arg("gate_up").noconvert(), py::arg("down").noconvert(), py::arg("top_k"), py::arg("normalize"),
+        py::arg("out").noconvert(),
+        "A MoE layer of a decode step with its residual: RMSNorm, router, softmax top_k (divided by their sum "
+        "where normalize), routed experts -> out [tokens, hidden] bf16, written in place. False, out unwritten, "
+        "where a routing meets a NaN or a tie between the k-th and (k+1)-th largest logits.");
   m.def("moe_experts_bf16", &moe_experts_bf16, py::arg("x").noconvert(), py::arg("weights").noconvert(),
         py::arg("experts").noconvert(), py::arg("gate_up").noconvert(), py::arg("down").noconvert(),
         py::arg("out").noconvert(),

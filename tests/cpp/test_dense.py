@@ -238,3 +238,195 @@ def test_a_bf16_engine_through_the_kernels_is_as_close_to_float32_as_through_tor
             if len(set(tokens)) > 1:
                 break
     assert max(errors["kernels"]) <= 2 * max(errors["torch"]) + 1e-3, errors
+
+
+def separate_gqa_inputs(hidden, norm_weight, qkv_weight, q_norm, k_norm, cos, sin, num_q_heads, num_kv_heads,
+                        head_dim, eps=1e-6):
+    """The GQA inputs as the model computed them before the fused call: one op at a time."""
+    from writescope.models import layers
+
+    tokens = hidden.shape[0]
+    x = layers.rms_norm(hidden, norm_weight, eps)
+    q, k, v = dense.linear(x, qkv_weight).split([num_q_heads * head_dim, num_kv_heads * head_dim,
+                                                 num_kv_heads * head_dim], dim=-1)
+    q, k = q.view(tokens, num_q_heads, head_dim), k.view(tokens, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = layers.rms_norm(q, q_norm, eps), layers.rms_norm(k, k_norm, eps)
+    rotated = [layers.apply_rope_rotate_half(t, cos, sin) for t in (q, k)]
+    return (*rotated, v.reshape(tokens, num_kv_heads, head_dim))
+
+
+def gqa_case(tokens, hidden_size, num_q_heads, num_kv_heads, head_dim, with_norms, seed=40):
+    from writescope.models import layers
+
+    outputs = (num_q_heads + 2 * num_kv_heads) * head_dim
+    hidden = bf16(tokens, hidden_size, seed=seed, scale=2.0)
+    weights = [bf16(hidden_size, seed=seed + 1), bf16(outputs, hidden_size, seed=seed + 2, scale=0.2)]
+    norms = [bf16(head_dim, seed=seed + 3), bf16(head_dim, seed=seed + 4)] if with_norms else [None, None]
+    inv_freq = 1.0 / 1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    positions = torch.randint(0, 1 << 17, (tokens,), generator=torch.Generator().manual_seed(seed))
+    cos, sin = layers.rope_rotate_half_tables(positions, inv_freq, 1.0, torch.bfloat16)  # [tokens, 1, head_dim]
+    return hidden, *weights, *norms, cos, sin
+
+
+# tokens, hidden_size, num_q_heads, num_kv_heads, head_dim, q/k norms: Qwen3's and Mixtral's, one token,
+# a head_dim that is not a whole vector, and a product big enough for the pool.
+GQA_SHAPES = [(4, 128, 8, 2, 32, True), (3, 128, 8, 2, 16, False), (1, 64, 4, 4, 8, True),
+              (5, 96, 6, 3, 10, False), (2, 1024, 16, 4, 128, True)]
+
+
+@pytest.mark.parametrize("tokens,hidden_size,num_q_heads,num_kv_heads,head_dim,with_norms", GQA_SHAPES)
+def test_gqa_inputs_are_the_separate_ops_bit_for_bit(variant, tokens, hidden_size, num_q_heads, num_kv_heads,
+                                                    head_dim, with_norms):
+    case = gqa_case(tokens, hidden_size, num_q_heads, num_kv_heads, head_dim, with_norms)
+    fused = dense.gqa_inputs(case[0], case[1], 1e-6, *case[2:], num_q_heads, num_kv_heads, head_dim)
+    assert fused is not None
+    separate = separate_gqa_inputs(*case, num_q_heads, num_kv_heads, head_dim)
+    for name, a, b in zip("qkv", fused, separate, strict=True):
+        assert a.shape == b.shape and torch.equal(a, b), name
+
+
+def test_gqa_inputs_rope_rounds_as_torch_bf16_ops_do():
+    """rope alone against torch's bf16 ops, where every value is rounded: head norms off and an
+    identity projection, so q is the normalised row itself."""
+    from writescope.models import layers
+
+    hidden_size = head_dim = 32
+    hidden, norm_weight, _, _, _, cos, sin = gqa_case(3, hidden_size, 1, 1, head_dim, False, seed=50)
+    identity = torch.eye(head_dim, dtype=torch.bfloat16)
+    q, k, v = dense.gqa_inputs(hidden, norm_weight, 1e-6, torch.cat([identity] * 3), None, None, cos, sin, 1, 1,
+                               head_dim)
+    normed = layers.rms_norm(hidden, norm_weight, 1e-6)[:, None, :]
+    x1, x2 = normed[..., :16], normed[..., 16:]
+    expected = normed * cos + torch.cat((-x2, x1), dim=-1) * sin  # torch's bf16 ops
+    assert torch.equal(q, expected) and torch.equal(k, expected) and torch.equal(v, normed)
+
+
+def test_gqa_inputs_leave_a_prefill_float32_and_odd_widths_to_torch():
+    case = gqa_case(2, 64, 4, 2, 8, True)
+    args = (4, 2, 8)
+    assert dense.gqa_inputs(case[0].float(), case[1], 1e-6, *case[2:], *args) is None
+    many = gqa_case(dense.MAX_DECODE_ROWS + 1, 64, 4, 2, 8, True)
+    assert dense.gqa_inputs(many[0], many[1], 1e-6, *many[2:], *args) is None
+    assert dense.gqa_inputs(case[0], case[1], 1e-6, *case[2:5], case[5][:1], case[6][:1], *args) is None  # tables
+
+
+def test_gqa_inputs_bad_arguments_name_what_was_wrong():
+    hidden, norm_weight, qkv_weight, q_norm, k_norm, cos, sin = gqa_case(2, 64, 4, 2, 8, True)
+    q, k, v = (torch.empty(2, heads, 8, dtype=torch.bfloat16) for heads in (4, 2, 2))
+    good = [bits(hidden), bits(norm_weight), 1e-6, bits(qkv_weight), bits(q_norm), bits(k_norm),
+            bits(cos.reshape(2, 8)), bits(sin.reshape(2, 8)), bits(q), bits(k), bits(v)]
+    _cpu.gqa_inputs_bf16(*good)
+    cases = [
+        (3, bits(qkv_weight[:-8].contiguous()), r"qkv_weight: dimension 0 \(\(num_q_heads \+ 2 \* num_kv_heads\)"),
+        (6, bits(cos.reshape(2, 8)[:1].contiguous()), r"cos: dimension 0 \(tokens, as in hidden\) must be 2"),
+        (4, bits(q_norm[:4].contiguous()), r"q_norm: dimension 0 \(head_dim, as in q\) must be 8"),
+        (10, bits(torch.empty(2, 2, 6, dtype=torch.bfloat16)), r"v: dimension 2 \(as in k\) must be 8"),
+        (2, -1.0, "eps must be finite and >= 0"),
+        (0, hidden.float().numpy(), "hidden: element type 'float32' does not match"),
+    ]
+    for index, value, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _cpu.gqa_inputs_bf16(*good[:index], value, *good[index + 1:])
+    readonly = bits(torch.empty(2, 4, 8, dtype=torch.bfloat16))
+    readonly.flags.writeable = False
+    with pytest.raises(ValueError, match="q: .*writ"):
+        _cpu.gqa_inputs_bf16(*good[:8], readonly, *good[9:])
+
+
+OUTPUT_SHAPES = [(4, 8, 32, 128), (1, 4, 10, 66), (3, 16, 128, 512)]  # tokens, num_q_heads, head_dim, hidden_size
+
+
+@pytest.mark.parametrize("tokens,num_q_heads,head_dim,hidden_size", OUTPUT_SHAPES)
+def test_output_projection_is_the_separate_ops_bit_for_bit(variant, tokens, num_q_heads, head_dim, hidden_size):
+    attention = torch.randn(tokens, num_q_heads, head_dim, generator=torch.Generator().manual_seed(60))
+    weight, residual = bf16(hidden_size, num_q_heads * head_dim, seed=61, scale=0.1), bf16(tokens, hidden_size, seed=62)
+    fused = dense.output_projection(attention, weight, residual)
+    separate = residual + dense.linear(attention.to(torch.bfloat16).reshape(tokens, -1), weight)
+    assert fused is not None and torch.equal(fused, separate)
+
+
+def test_output_projection_leaves_other_dtypes_and_bad_shapes_to_torch():
+    attention, weight, residual = torch.randn(2, 4, 8), bf16(32, 32, seed=63), bf16(2, 32, seed=64)
+    assert dense.output_projection(attention, weight, residual) is not None
+    assert dense.output_projection(attention.to(torch.bfloat16), weight, residual) is None
+    assert dense.output_projection(attention, weight.float(), residual.float()) is None
+    assert dense.output_projection(attention[:, :3], weight, residual) is None  # widths differ: torch says how
+    with pytest.raises(ValueError, match=r"residual: dimension 1 \(hidden_size, as in weight\) must be 32"):
+        _cpu.output_projection_bf16(attention.reshape(2, 32).numpy(), bits(weight), bits(bf16(2, 30)),
+                                    bits(torch.empty(2, 32, dtype=torch.bfloat16)))
+
+
+def separate_moe_feed_forward(hidden, norm_weight, router_weight, gate_up, down, top_k, normalize, eps=1e-6):
+    """The MoE layer as the model computed it before the fused call, routed by torch.topk."""
+    from writescope.models import layers
+
+    x = layers.rms_norm(hidden, norm_weight, eps)
+    logits = dense.linear(x, router_weight)
+    weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return hidden + dense.routed_experts(x, weights.to(torch.bfloat16), experts, gate_up, down)
+
+
+def moe_case(tokens, hidden_size, num_experts, intermediate, seed):
+    return (bf16(tokens, hidden_size, seed=seed, scale=2.0), bf16(hidden_size, seed=seed + 1),
+            bf16(num_experts, hidden_size, seed=seed + 2, scale=0.3),
+            bf16(num_experts, 2 * intermediate, hidden_size, seed=seed + 3, scale=0.1),
+            bf16(num_experts, hidden_size, intermediate, seed=seed + 4, scale=0.1))
+
+
+# tokens, hidden_size, num_experts, intermediate, top_k, normalize: tiny Qwen3's and Mixtral's, one
+# token, Qwen3-30B's 8 of 128 at a small width, every expert.
+MOE_SHAPES = [(4, 128, 8, 64, 2, True), (3, 128, 4, 128, 2, True), (1, 64, 8, 32, 2, False),
+              (4, 64, 128, 16, 8, True), (2, 32, 4, 8, 4, False)]
+
+
+@pytest.mark.parametrize("tokens,hidden_size,num_experts,intermediate,top_k,normalize", MOE_SHAPES)
+def test_moe_feed_forward_is_the_separate_ops_bit_for_bit(variant, tokens, hidden_size, num_experts, intermediate,
+                                                         top_k, normalize):
+    """Over many draws: the fused layer equals the separate ops (torch's routing) wherever it does not
+    decline, and declines only where torch.topk's tie order would decide."""
+    compared = 0
+    for seed in range(100, 140):
+        case = moe_case(tokens, hidden_size, num_experts, intermediate, seed)
+        fused = dense.moe_feed_forward(case[0], case[1], 1e-6, *case[2:], top_k, normalize)
+        if fused is None:
+            continue
+        compared += 1
+        assert torch.equal(fused, separate_moe_feed_forward(*case, top_k, normalize)), seed
+    # a decline is a tie at the choice among bf16 logits: a few draws in forty at 8 experts, 12 at 128
+    assert compared >= 20
+
+
+def test_moe_feed_forward_declines_a_tie_at_the_choice_and_a_nan():
+    hidden, norm_weight, router_weight, gate_up, down = moe_case(2, 32, 4, 8, seed=150)
+    hidden, norm_weight = hidden.abs(), norm_weight.abs()
+    tied = router_weight.clone()
+    tied[1] = tied[2] = 0.5  # experts 1 and 2 share the largest logit, the rest far below it
+    tied[0] = tied[3] = -0.5
+    assert dense.moe_feed_forward(hidden, norm_weight, 1e-6, tied, gate_up, down, 1, True) is None  # one of two
+    both = dense.moe_feed_forward(hidden, norm_weight, 1e-6, tied, gate_up, down, 2, True)  # the tie orders slots
+    assert both is not None and torch.equal(both, separate_moe_feed_forward(hidden, norm_weight, tied, gate_up, down,
+                                                                          2, True))
+    assert dense.moe_feed_forward(hidden, norm_weight, 1e-6, tied, gate_up, down, 3, True) is None  # 0 or 3 third
+    hidden[1, 3] = float("nan")
+    assert dense.moe_feed_forward(hidden, norm_weight, 1e-6, router_weight, gate_up, down, 2, True) is None
+
+
+def test_moe_feed_forward_bad_arguments_name_what_was_wrong():
+    hidden, norm_weight, router_weight, gate_up, down = moe_case(2, 32, 4, 8, seed=160)
+    out = torch.empty(2, 32, dtype=torch.bfloat16)
+    good = [bits(hidden), bits(norm_weight), 1e-6, bits(router_weight), bits(gate_up), bits(down), 2, True, bits(out)]
+    assert _cpu.moe_feed_forward_bf16(*good) is True
+    cases = [
+        (6, 0, r"top_k must be 1 to num_experts \(4\), got 0"),
+        (6, 5, r"top_k must be 1 to num_experts \(4\), got 5"),
+        (3, bits(router_weight[:, :30].contiguous()), r"router_weight: dimension 1 \(hidden_size, as in hidden\)"),
+        (5, bits(down[:3].contiguous()), r"down: dimension 0 \(num_experts, as in router_weight\) must be 4"),
+        (4, bits(gate_up[:, :14].contiguous()), r"gate_up: dimension 1 \(2 \* intermediate, intermediate as in down\)"),
+        (2, float("nan"), "eps must be finite and >= 0"),
+    ]
+    for index, value, message in cases:
+        with pytest.raises(ValueError, match=message):
+            _cpu.moe_feed_forward_bf16(*good[:index], value, *good[index + 1:])
