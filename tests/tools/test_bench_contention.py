@@ -1,5 +1,5 @@
 """bench contention on this CPU-only host: a memory-streaming process started mid-run slows the CPU
-partial; the policy, fed the real per-layer times, keeps every new block on the CPU (r* = 1)."""
+partial; the policy, fed the real per-layer times, keeps every new block on the side it chose before."""
 
 import json
 
@@ -19,9 +19,13 @@ def test_a_memory_hog_mid_run_leaves_the_kv_on_the_cpu(tmp_path):
                                   "--window-tokens", "16", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["calibrated"]["overlap"] < 0.5  # the device is this CPU
-    assert result["share_before"] == result["share_min_during"] == result["share_max_during"] == 1.0
-    assert result["placed_end"]["cpu_transfer"] == 0
-    assert result["placed_end"]["cpu_compute"] > result["placed_before"]["cpu_compute"]  # blocks placed meanwhile
+    # r* is an end (no overlap) and the hog does not move it: both sides run on this CPU and slow alike.
+    # Which end is the calibration's (A and B within noise of each other here): not asserted
+    share = result["share_before"]
+    assert share in (0.0, 1.0) and result["share_min_during"] == result["share_max_during"] == share
+    kept, other = ("cpu_compute", "cpu_transfer") if share == 1.0 else ("cpu_transfer", "cpu_compute")
+    assert result["placed_end"][other] == result["placed_before"][other]
+    assert result["placed_end"][kept] > result["placed_before"][kept]  # blocks placed meanwhile, all on one side
     assert len(result["steps"]) == 40 and all(s["cpu_layer_s"] > 0 for s in result["steps"])
 
 

@@ -33,7 +33,9 @@ def test_the_sweep_writes_every_point_and_the_table(tmp_path, capsys, monkeypatc
         if point["policy"].startswith("share:"):
             assert point["share"] == float(point["policy"].split(":")[1])
     (ws,) = [p for p in points if p["policy"] == "writescope" and p["context"] == 1024]
-    assert ws["model"]["overlap"] < 0.5 and ws["share"] == 1.0  # the device is this CPU
+    # the device is this CPU: no overlap, so r* is an end. Which end is the calibration's (on this host
+    # the two sides run the same kernel, A and B within noise of each other): not asserted
+    assert ws["model"]["overlap"] < 0.5 and ws["share"] in (0.0, 1.0)
     rows = result["rows"]
     assert [(r["context"], r["batch"]) for r in rows] == [(512, 2), (1024, 2)]
     for row in rows:
