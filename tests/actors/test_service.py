@@ -90,13 +90,16 @@ def test_bad_requests_are_refused_before_queueing(service):
 
 
 def test_a_cancelled_request_ends_with_abort_and_frees_its_blocks(service):
-    stream = service.submit(PROMPTS[1], SamplingParams(max_new_tokens=100 - len(PROMPTS[1]) + 28))
+    max_new_tokens = 100 - len(PROMPTS[1]) + 28
+    stream = service.submit(PROMPTS[1], SamplingParams(max_new_tokens=max_new_tokens))
     events = []
     for event in stream:
         events.append(event)
         if len(events) == 3:
             stream.cancel()
-    assert events[-1].finish_reason == "abort" and len(events) < 20
+    # ended by the cancel, before its length: how many steps the engine thread made meanwhile is the
+    # host's scheduling (about 3 ms a step here), not asserted
+    assert events[-1].finish_reason == "abort" and len(events) < max_new_tokens
     service.submit(PROMPTS[0], SamplingParams(max_new_tokens=2)).__iter__().__next__()  # the loop moved on
     assert stream.request.seq_id not in service.engine.cache.seqs
 
