@@ -98,6 +98,7 @@ def serve_app(workdir: str) -> dict:
                   name="writescope", route_prefix="/", blocking=False)
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, timeout_s=600)
+        wait_for_running_replicas(serve, "writescope", 2, timeout_s=300)  # the first healthy one may be alone
         result = {"worker_nodes": [w.node_id for w in workers]}
         result["before"] = [complete(requests, base, i, NODE_HEADER) for i in range(12)]
 
@@ -201,5 +202,20 @@ def main(scenario: str, workdir: str) -> None:
     write_json(os.path.join(workdir, "result.json"), SCENARIOS[scenario](workdir))
 
 
+def wait_for_running_replicas(serve, app: str, count: int, timeout_s: float) -> None:
+    """Until the app's replicas that are up (RUNNING: constructed, their engines loaded) are count: the
+    health check answers as soon as one is, and until the other is, every request goes to the first."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = serve.status().applications.get(app)
+        running = 0 if status is None else sum(d.replica_states.get("RUNNING", 0) for d in status.deployments.values())
+        if running >= count:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{app}: {running} of {count} replicas running after {timeout_s} s")
+        time.sleep(0.5)
+
+
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+
