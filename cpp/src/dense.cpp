@@ -66,6 +66,25 @@ void check_bf16_matrix(const py::array& a, const char* name, int ndim, const cha
   check_c_contiguous(a, name);
 }
 
+// Stacked experts' weights, gate_up [num_experts, 2 * intermediate, hidden] and down [num_experts,
+// hidden, intermediate] bf16, against the caller's num_experts and hidden (experts_from and hidden_from
+// say where those come from, for the messages) -> intermediate, checked even with hidden.
+int64_t check_stacked_experts(const py::array& gate_up, const py::array& down, int64_t num_experts, int64_t hidden,
+                              const char* experts_from, const char* hidden_from) {
+  check_bf16_matrix(gate_up, "gate_up", 3, "[num_experts, 2 * intermediate, hidden]");
+  check_bf16_matrix(down, "down", 3, "[num_experts, hidden, intermediate]");
+  const int64_t intermediate = down.shape(2);
+  check_dim(gate_up, "gate_up", 0, num_experts, experts_from);
+  check_dim(gate_up, "gate_up", 1, 2 * intermediate, "2 * intermediate, intermediate as in down");
+  check_dim(gate_up, "gate_up", 2, hidden, hidden_from);
+  check_dim(down, "down", 0, num_experts, experts_from);
+  check_dim(down, "down", 1, hidden, hidden_from);
+  if (hidden % 2 != 0 || intermediate % 2 != 0)
+    fail("hidden and intermediate must be even (weights are read in dim pairs), got " + std::to_string(hidden) +
+         " and " + std::to_string(intermediate));
+  return intermediate;
+}
+
 float silu(float x) { return x / (1.0f + std::exp(-x)); }
 
 // rows x weights: x [rows, in_features] bf16, w [outputs, in_features] bf16 -> sums [rows, outputs]
@@ -308,7 +327,8 @@ void gqa_inputs_bf16(const py::array& hidden, const py::array& norm_weight, doub
     for (int64_t h = 0; h < num_kv_heads; ++h)
       rotated_head(k_row + h * head_dim, k_norm_bits, t, k_bits + (t * num_kv_heads + h) * head_dim);
     const float* v_row = k_row + num_kv_heads * head_dim;
-    for (int64_t i = 0; i < num_kv_heads * head_dim; ++i) v_bits[t * num_kv_heads * head_dim + i] = bf16_round(v_row[i]);
+    for (int64_t i = 0; i < num_kv_heads * head_dim; ++i)
+      v_bits[t * num_kv_heads * head_dim + i] = bf16_round(v_row[i]);
   }
 }
 
@@ -327,7 +347,8 @@ void output_projection_bf16(const py::array& attention, const py::array& weight,
   check_dim(residual, "residual", 1, hidden_size, "hidden_size, as in weight");
   check_dim(out, "out", 0, tokens, "tokens, as in attention");
   check_dim(out, "out", 1, hidden_size, "hidden_size, as in weight");
-  if (width % 2 != 0) fail("attention: its width must be even (weights are read in dim pairs), got " + std::to_string(width));
+  if (width % 2 != 0)
+    fail("attention: its width must be even (weights are read in dim pairs), got " + std::to_string(width));
   const auto* attention_values = static_cast<const float*>(attention.data());
   const auto* w_bits = static_cast<const uint16_t*>(weight.data());
   const auto* residual_bits = static_cast<const uint16_t*>(residual.data());
@@ -349,24 +370,18 @@ void moe_experts_bf16(const py::array& x, const py::array& weights, const py::ar
   if (experts.dtype().kind() != 'i' || experts.itemsize() != 8)
     fail("experts: expected int64, got " + std::string(py::str(experts.dtype())));
   check_c_contiguous(experts, "experts");
-  check_bf16_matrix(gate_up, "gate_up", 3, "[num_experts, 2 * intermediate, hidden]");
-  check_bf16_matrix(down, "down", 3, "[num_experts, hidden, intermediate]");
   check_bf16_matrix(out, "out", 2, "[tokens, hidden]");
   check_writeable(out, "out");
   const int64_t tokens = x.shape(0), hidden = x.shape(1), top_k = weights.shape(1);
-  const int64_t num_experts = gate_up.shape(0), intermediate = down.shape(2);
+  check_ndim(gate_up, "gate_up", 3, "[num_experts, 2 * intermediate, hidden]");
+  const int64_t num_experts = gate_up.shape(0);
+  const int64_t intermediate =
+      check_stacked_experts(gate_up, down, num_experts, hidden, "num_experts, as in gate_up", "hidden, as in x");
   check_dim(weights, "weights", 0, tokens, "tokens, as in x");
   check_dim(experts, "experts", 0, tokens, "tokens, as in x");
   check_dim(experts, "experts", 1, top_k, "top_k, as in weights");
-  check_dim(gate_up, "gate_up", 1, 2 * intermediate, "2 * intermediate, intermediate as in down");
-  check_dim(gate_up, "gate_up", 2, hidden, "hidden, as in x");
-  check_dim(down, "down", 0, num_experts, "num_experts, as in gate_up");
-  check_dim(down, "down", 1, hidden, "hidden, as in x");
   check_dim(out, "out", 0, tokens, "tokens, as in x");
   check_dim(out, "out", 1, hidden, "hidden, as in x");
-  if (hidden % 2 != 0 || intermediate % 2 != 0)
-    fail("hidden and intermediate must be even (weights are read in dim pairs), got " + std::to_string(hidden) +
-         " and " + std::to_string(intermediate));
   const auto* chosen = static_cast<const int64_t*>(experts.data());
   for (int64_t i = 0; i < tokens * top_k; ++i)
     if (chosen[i] < 0 || chosen[i] >= num_experts)
@@ -387,26 +402,17 @@ bool moe_feed_forward_bf16(const py::array& hidden, const py::array& norm_weight
   check_bf16_matrix(hidden, "hidden", 2, "[tokens, hidden_size]");
   check_bf16_matrix(norm_weight, "norm_weight", 1, "[hidden_size]");
   check_bf16_matrix(router_weight, "router_weight", 2, "[num_experts, hidden_size]");
-  check_bf16_matrix(gate_up, "gate_up", 3, "[num_experts, 2 * intermediate, hidden_size]");
-  check_bf16_matrix(down, "down", 3, "[num_experts, hidden_size, intermediate]");
   check_bf16_matrix(out, "out", 2, "[tokens, hidden_size]");
   check_writeable(out, "out");
   const int64_t tokens = hidden.shape(0), hidden_size = hidden.shape(1), num_experts = router_weight.shape(0);
-  const int64_t intermediate = down.shape(2);
+  const int64_t intermediate = check_stacked_experts(gate_up, down, num_experts, hidden_size,
+                                                     "num_experts, as in router_weight", "hidden_size, as in hidden");
   check_dim(norm_weight, "norm_weight", 0, hidden_size, "hidden_size, as in hidden");
   check_dim(router_weight, "router_weight", 1, hidden_size, "hidden_size, as in hidden");
-  check_dim(gate_up, "gate_up", 0, num_experts, "num_experts, as in router_weight");
-  check_dim(gate_up, "gate_up", 1, 2 * intermediate, "2 * intermediate, intermediate as in down");
-  check_dim(gate_up, "gate_up", 2, hidden_size, "hidden_size, as in hidden");
-  check_dim(down, "down", 0, num_experts, "num_experts, as in router_weight");
-  check_dim(down, "down", 1, hidden_size, "hidden_size, as in hidden");
   check_dim(out, "out", 0, tokens, "tokens, as in hidden");
   check_dim(out, "out", 1, hidden_size, "hidden_size, as in hidden");
   if (top_k < 1 || top_k > num_experts)
     fail("top_k must be 1 to num_experts (" + std::to_string(num_experts) + "), got " + std::to_string(top_k));
-  if (hidden_size % 2 != 0 || intermediate % 2 != 0)
-    fail("hidden_size and intermediate must be even (weights are read in dim pairs), got " +
-         std::to_string(hidden_size) + " and " + std::to_string(intermediate));
   check_eps(eps);
   const auto* hidden_bits = static_cast<const uint16_t*>(hidden.data());
   const auto* norm_bits = static_cast<const uint16_t*>(norm_weight.data());
