@@ -39,7 +39,7 @@ from collections import deque
 import ray
 
 from writescope.config import EngineConfig
-from writescope.engine import UNAVAILABLE, Engine, GenerationOutput, StreamEvent
+from writescope.engine import UNAVAILABLE, Engine, GenerationOutput, StepTimes, StreamEvent
 from writescope.sampling import SamplingParams, call_params
 
 log = logging.getLogger(__name__)
@@ -345,8 +345,8 @@ class GPUWorker:
     async def stats(self) -> dict:
         return dict(self.engine.stats)
 
-    async def step_history(self) -> list[tuple[float, float]]:
-        """(step seconds, attention seconds) of the recent decode steps."""
+    async def step_history(self) -> list[StepTimes]:
+        """The recent decode steps, as the engine timed them."""
         return list(self.engine.step_history)
 
     async def shutdown(self) -> None:

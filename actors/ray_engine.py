@@ -33,6 +33,7 @@ from writescope.actors.local_ray import ensure_ray
 from writescope.actors.policy_store import PolicyStore
 from writescope.actors.region_owner import RegionOwner
 from writescope.config import EngineConfig
+from writescope.engine import StepTimes
 from writescope.loading import load_tokenizer
 from writescope.prompts import PromptEncoder
 from writescope.sampling import SamplingParams, call_params
@@ -251,8 +252,8 @@ class RayEngine:
         return ray.get(self.gpu_worker.stats.remote())
 
     @property
-    def step_history(self) -> list[tuple[float, float]]:
-        """(step seconds, attention seconds) of the GPU worker's recent decode steps."""
+    def step_history(self) -> list[StepTimes]:
+        """The GPU worker's recent decode steps, as its engine timed them."""
         return ray.get(self.gpu_worker.step_history.remote())
 
     def policy_state(self) -> dict:

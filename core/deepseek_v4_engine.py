@@ -41,7 +41,7 @@ import torch
 from writescope import ops
 from writescope.block_allocator import CapacityError
 from writescope.config import EngineConfig
-from writescope.engine import PROVISIONAL_MODEL, Engine, _DeviceClock, _Request, _torch_threads
+from writescope.engine import PROVISIONAL_MODEL, Engine, StepTimes, _DeviceClock, _Request, _torch_threads
 from writescope.executor import LocalExecutor, device_side
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache, one_token_blocks, selected_source
 from writescope.kv_format import KVFormat
@@ -481,7 +481,7 @@ class DeepseekV4Engine(Engine):
         self.cpu_partials = {kind: executor.make_cpu_partial(cache, region=i)
                              for i, (kind, cache) in enumerate(caches.caches.items())}
         self._clock = _DeviceClock(model.device)
-        self.step_history: deque = deque(maxlen=4096)
+        self.step_history: deque[StepTimes] = deque(maxlen=4096)
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         # a chunk ends where every cache's entries fill whole blocks: a multiple of each rate x block_size

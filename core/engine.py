@@ -19,6 +19,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -67,6 +68,14 @@ class GenerationOutput:
     logits: list[torch.Tensor] | None = None  # [vocab] float32 per new token, when asked for
     error: str | None = None  # why, when finish_reason is "error" (this request failed, the others did not)
     logprobs: list[TokenLogprobs] | None = None  # per new token, when its SamplingParams ask for them
+
+
+class StepTimes(NamedTuple):
+    """What one decode step cost, as the engine timed it inside the step."""
+
+    step_s: float  # the whole step, the sampling included
+    attention_s: float  # each layer's span from its first partial to its merge, summed over layers
+    cpu_kernel_s: float  # the CPU partials' own kernel time (as their kernel timed it), summed over layers
 
 
 @dataclass(frozen=True)
@@ -177,7 +186,7 @@ class Engine:
         self.executor = executor
         self.cpu_partial = executor.make_cpu_partial(cache)
         self._clock = _DeviceClock(model.device)
-        self.step_history: deque = deque(maxlen=4096)  # (step seconds, attention seconds) of recent steps
+        self.step_history: deque[StepTimes] = deque(maxlen=4096)  # of recent decode steps
         self.max_batch_size = max_batch_size
         self.max_seq_len = max_seq_len
         self.prompts = PromptEncoder(tokenizer, self.config.vocab_size, max_seq_len)
@@ -587,16 +596,17 @@ class Engine:
         """Feeds the policy each layer's measured costs (its one feed) and keeps the step's times.
         layers: per layer (CPU tokens, CPU seconds, device tokens, the device clock's stop marker,
         the layer's attention span), the markers read here, once the step's logits are on the host."""
-        attention_s = 0.0
+        attention_s = cpu_kernel_s = 0.0
         for cpu_tokens, cpu_s, device_tokens, device_clock, layer_attention_s in layers:
             self.policy.observe_step(cpu_tokens, cpu_s, device_tokens, self._clock.seconds(device_clock))
             attention_s += layer_attention_s
+            cpu_kernel_s += cpu_s
         self.policy.end_step()
         self.stats["steps"] += 1
         self.stats["tokens"] += batch
         self.stats["decode_s"] += step_s
         self.stats["attention_s"] += attention_s
-        self.step_history.append((step_s, attention_s))
+        self.step_history.append(StepTimes(step_s, attention_s, cpu_kernel_s))
 
     def _bindings(self):
         return {"embed": self._embed, "transfer": self._transfer, "qkv": self._qkv, "window_write": self._window_write,

@@ -124,7 +124,7 @@ def run(args) -> dict:
             where = placement(engine)
             shares.append(where["cpu_share_spilled"])
             placed.append(where["placed_tokens"])
-            step_s.append(engine.step_history[-1][0])
+            step_s.append(engine.step_history[-1].step_s)
         list(events)
     finally:
         hog.stop()

@@ -71,7 +71,7 @@ def engine_tok_s(path, policy, prompts, new_tokens, dtype, device="cpu", executo
 def kernel_share(history) -> float:
     """The median over decode steps (warm-up left out) of the share of the step spent in attention:
     the CPU partial and the device partial as the engine timed them inside the step."""
-    shares = [attention_s / step_s for step_s, attention_s in list(history)[WARMUP_STEPS:]]
+    shares = [times.attention_s / times.step_s for times in list(history)[WARMUP_STEPS:]]
     return statistics.median(shares) if shares else float("nan")
 
 

@@ -90,7 +90,7 @@ def step_s(engine: Engine, prompts, new_tokens: int) -> float:
     engine.step_history.clear()
     for _ in engine.generate_stream(prompts, max_new_tokens=new_tokens):
         pass
-    steps = [s for s, _ in list(engine.step_history)[WARMUP_STEPS:]]
+    steps = [times.step_s for times in list(engine.step_history)[WARMUP_STEPS:]]
     if not steps:
         raise ValueError(f"need more than {WARMUP_STEPS} decode steps: raise --new-tokens")
     return statistics.median(steps)
