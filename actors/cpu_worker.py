@@ -400,17 +400,25 @@ class ChannelCPUPartial(CPUPartial):
         self.region = region
 
     def attend(self, layer: int, q, view, scale: float) -> PendingPartial:
-        for client, (table, lens) in zip(self.clients, view.compute, strict=True):
-            client.send(layer, q, table, lens, scale, region=self.region, unit=BLOCKS)
-        return PendingPartial(lambda: self._collect(view.compute_tokens))
+        # a worker whose shard has no tokens in this step is not asked: a round trip for a partial that
+        # would change no merge (one per layer, 0.1-0.4 ms on a 2-vCPU host)
+        asked = []
+        for client, (table, lens), tokens in zip(self.clients, view.compute, view.compute_shard_tokens, strict=True):
+            if tokens:
+                client.send(layer, q, table, lens, scale, region=self.region, unit=BLOCKS)
+                asked.append(client)
+        if not asked:
+            return PendingPartial.done(ops.empty_partial(q, self.clients[0].spec.head_dim_v))
+        return PendingPartial(lambda: self._collect(asked, view.compute_tokens))
 
     def attend_selected(self, layer: int, q, selection: list, tokens: int, scale: float) -> PendingPartial:
         for client, (table, lens) in zip(self.clients, selection, strict=True):
             client.send(layer, q, table, lens, scale, region=self.region, unit=TOKENS)
-        return PendingPartial(lambda: self._collect(tokens))
+        return PendingPartial(lambda: self._collect(self.clients, tokens))
 
-    def _collect(self, tokens: int) -> ops.Partial:
-        results = [client.receive() for client in self.clients]
+    @staticmethod
+    def _collect(clients: list[PartialClient], tokens: int) -> ops.Partial:
+        results = [client.receive() for client in clients]
         out, lse = ops.merge([(out, lse) for out, lse, _ in results])
         return ops.Partial(out, lse, tokens, max(seconds for _, _, seconds in results))
 

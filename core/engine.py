@@ -652,8 +652,11 @@ class Engine:
             return device.out
         pending, began = cpu
         partial = pending.result()  # the CPU workers' answer, or the worker thread's
-        out, _ = ops.merge([(partial.out.to(device.out.device), partial.lse.to(device.out.device)),
-                            (device.out, device.lse)])
+        if partial.tokens == 0:  # merging an empty partial (out 0, lse -inf) returns device.out unchanged
+            out = device.out
+        else:
+            out, _ = ops.merge([(partial.out.to(device.out.device), partial.lse.to(device.out.device)),
+                                (device.out, device.lse)])
         span = time.perf_counter() - min(began, step.device_began)
         step.layers.append((partial.tokens, partial.seconds, device.tokens, device.seconds, span))
         return out

@@ -151,7 +151,12 @@ class LocalCPUPartial(CPUPartial):
         self.cache = cache
 
     def attend(self, layer: int, q: torch.Tensor, view, scale: float) -> PendingPartial:
-        parts = [ops.cpu_paged_attention_timed(q, source, scale) for source in self.cache.compute_sources(layer, view)]
+        # a shard with no tokens in this step is not attended: its partial would change no merge
+        parts = [ops.cpu_paged_attention_timed(q, source, scale)
+                 for source, tokens in zip(self.cache.compute_sources(layer, view), view.compute_shard_tokens,
+                                           strict=True) if tokens]
+        if not parts:
+            return PendingPartial.done(ops.empty_partial(q, self.cache.config.format.head_dim_v))
         out, lse = ops.merge([(out, lse) for out, lse, _ in parts])
         return PendingPartial.done(ops.Partial(out, lse, view.compute_tokens, sum(s for _, _, s in parts)))
 

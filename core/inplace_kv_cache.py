@@ -187,6 +187,7 @@ class StepView:
     window_lens: torch.Tensor  # [batch] int32, on the device: window tokens with this step's
     window_table: torch.Tensor  # [batch, 1] int32, on the device: the window as a one-block table
     compute: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # per cpu_compute shard, on the host
+    compute_shard_tokens: tuple[int, ...]  # per cpu_compute shard: a shard with none costs no kernel call
     compute_tokens: int
     transfer: tuple[torch.Tensor, torch.Tensor]  # cpu_transfer, on the host
     transfer_tokens: int
@@ -578,7 +579,8 @@ class InplaceKVCache:
         return StepView(tuple(seq_ids), self._steps, slots, window_slots, positions.to(self.device),
                         (positions + pending_tokens).to(torch.int32).to(self.device),
                         window_slots.to(torch.int32)[:, None],
-                        tuple((table, lens) for table, lens, _ in compute), sum(n for _, _, n in compute),
+                        tuple((table, lens) for table, lens, _ in compute), tuple(n for _, _, n in compute),
+                        sum(n for _, _, n in compute),
                         transfer[:2], transfer[2], chunks, window_rows.to(self.device))
 
     def compute_sources(self, layer: int, view: StepView) -> list[KVSource]:

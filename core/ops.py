@@ -136,6 +136,14 @@ class Partial(NamedTuple):
     seconds: float
 
 
+def empty_partial(q: torch.Tensor, head_dim_v: int) -> Partial:
+    """The partial over no tokens for q [num_seqs, num_q_heads, head_dim_qk]: out 0, lse -inf, which
+    leaves any merge it joins unchanged, bit for bit."""
+    num_seqs, num_q_heads, _ = q.shape
+    return Partial(torch.zeros((num_seqs, num_q_heads, head_dim_v), dtype=torch.float32, device=q.device),
+                   torch.full((num_seqs, num_q_heads), -math.inf, dtype=torch.float32, device=q.device), 0, 0.0)
+
+
 def merge(partials):
     """The one merge of a step: (out, lse) pairs (or Partials) of disjoint parts of the same rows, on
     one device, -> (out, lse) of their union, exact in float32 (see merge_partials): the C++ merge on

@@ -11,8 +11,8 @@ from writescope.tools.profile_step import calls_per_step, decoding_engine, profi
 STEPS = 6
 
 
-def work_per_step(policy: str, context: int) -> tuple[dict[str, float], bool]:
-    """(calls per step, whether cpu_transfer holds KV)."""
+def work_per_step(policy: str, context: int) -> tuple[dict[str, float], int]:
+    """(calls per step, how many of cpu_compute and cpu_transfer hold KV)."""
     engine, steps = decoding_engine("tiny-qwen3-moe", policy, batch=2, context=context, block_size=4,
                                     window_tokens=16, max_new_tokens=STEPS + 4)
     try:
@@ -27,7 +27,7 @@ def work_per_step(policy: str, context: int) -> tuple[dict[str, float], bool]:
         if (file.endswith("engine.py") and function == "_device_partial") or \
                 (file.endswith(("ops.py", "executor.py")) and function == "attend"):  # each side's attend
             counts[function] = counts.get(function, 0) + calls / STEPS
-    return counts, placed["cpu_transfer"] > 0
+    return counts, int(placed["cpu_compute"] > 0) + int(placed["cpu_transfer"] > 0)
 
 
 # Each policy at both lengths, and one pair of fixed shares that puts the KV in cpu_compute at 2K and
@@ -40,21 +40,22 @@ POLICY_PAIRS.append(("share:1", "share:0"))
                          ids=[short if short == long else f"{short}-then-{long}" for short, long in POLICY_PAIRS])
 def test_a_step_does_the_same_work_at_any_context(short_policy, long_policy):
     policy = long_policy
-    short, short_transfers = work_per_step(short_policy, 2048)
-    long, long_transfers = work_per_step(long_policy, 8192)
+    short, short_regions = work_per_step(short_policy, 2048)
+    long, long_regions = work_per_step(long_policy, 8192)
     layers = 4  # tiny-qwen3-moe
-    # writescope's share is the r* calibrated on this host, so at one length cpu_transfer may hold KV and
-    # at the other not. The CPU side attends each cpu_compute shard every layer, empty or not; cpu_transfer
-    # costs one kernel call per layer only when it holds tokens (a CPU-only host attends it in place).
-    # Nothing else may differ.
-    extra_region_calls = layers * (int(long_transfers) - int(short_transfers))
-    if short_policy == "share:1":
-        assert (short_transfers, long_transfers) == (False, True)
+    # A host region costs one kernel call per layer when it holds tokens and none when it is empty (a
+    # CPU-only host attends cpu_transfer in place). writescope's share is the r* calibrated on this host,
+    # so one length may use a region the other does not. Nothing else may differ.
+    extra_region_calls = layers * (long_regions - short_regions)
+    if short_policy == "share:1":  # all in cpu_compute, then all in cpu_transfer: one region each
+        assert (short_regions, long_regions) == (1, 1)
     elif policy != "writescope":
         assert extra_region_calls == 0
     assert {**short, "cpu kernel": short["cpu kernel"] + extra_region_calls} == long, \
-        f"{policy}: per step at 2K {short} (cpu_transfer in use: {short_transfers}), " \
-        f"at 8K {long} ({long_transfers})"
+        f"{policy}: per step at 2K {short} (host regions in use: {short_regions}), " \
+        f"at 8K {long} ({long_regions})"
+    # the window's call, and one per host region in use (monolithic ships cpu_compute to the device side)
+    assert long["cpu kernel"] == layers * (1 + long_regions)
     assert long["_device_partial"] == layers  # one device partial per layer
     cpu_side = 0 if policy == "monolithic" else 1  # monolithic ships cpu_compute to the device side
     shipped = 1 if policy == "monolithic" else 0
