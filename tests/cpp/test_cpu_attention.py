@@ -201,6 +201,20 @@ def test_cpu_merge_matches_torch_merge_over_many_parts_and_rows():
     assert torch.all(cpu[0][2, 3] == 0) and cpu[1][2, 3] == float("-inf")
 
 
+def test_an_empty_partial_leaves_a_merge_unchanged_bit_for_bit():
+    """What lets a step skip an empty cpu_compute shard's call and its merge: the partial over no tokens
+    (what the kernel returns for sequences of length 0) changes no merge."""
+    q, k_cache, v_cache, table, lens = make_paged([70, 300, 5], 16)
+    out, lse = ops.paged_partial_attention(q, k_cache, v_cache, table, lens, backend="cpu")
+    empty = ops.empty_partial(q, v_cache.shape[-1])
+    assert empty.tokens == 0 and torch.all(empty.out == 0) and torch.all(empty.lse == float("-inf"))
+    no_tokens = ops.paged_partial_attention(q, k_cache, v_cache, table, torch.zeros_like(lens), backend="cpu")
+    assert torch.equal(no_tokens[0], empty.out) and torch.equal(no_tokens[1], empty.lse)
+    for parts in ([empty[:2], (out, lse)], [(out, lse), empty[:2]]):
+        merged = ops.merge(parts)
+        assert torch.equal(merged[0], out) and torch.equal(merged[1], lse)
+
+
 def run_with_env(code, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env})
 
