@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from writescope import ops
 from writescope.block_allocator import BlockAllocator, CapacityError
 from writescope.block_tables import BlockTables
 from writescope.kv_format import PAIRED, KVFormat, from_paired, to_paired
@@ -227,6 +228,7 @@ class InplaceKVCache:
         window_shapes = [fmt.shape("gpu_window", config.max_seqs, d, window_tokens=config.window_tokens)
                          for d in fmt.stored_dims]
         self.window = [torch.zeros(s, dtype=fmt.torch_dtype, device=self.device) for s in window_shapes]
+        self._window_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # per layer, window_source's
         self.pingpong = None if config.transfer_in_place else PingPong(fmt, config.pingpong_blocks, self.device)
         self.tables = BlockTables([*self._compute_keys(), _TRANSFER], config.max_seqs, config.max_blocks_per_seq,
                                   fmt.block_size)
@@ -591,9 +593,12 @@ class InplaceKVCache:
     def window_source(self, layer: int, view: StepView) -> KVSource:
         """The view's window tokens of one layer (this step's token included): each sequence's slot is
         one block of window_tokens."""
-        k = self.window[0][layer]  # [max_seqs, num_kv_heads, window_tokens, head_dim_k]
-        v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else self.window[1][layer]
-        return KVSource(k, v, view.window_table, view.window_lens)
+        kv = self._window_views.get(layer)
+        if kv is None:  # made once per layer (the window never moves), as compute_source's views
+            k = self.window[0][layer]  # [max_seqs, num_kv_heads, window_tokens, head_dim_k]
+            v = k[..., : self.config.format.head_dim_v] if self.config.format.v_in_k else self.window[1][layer]
+            kv = self._window_views[layer] = (ops.keep_numpy_view(k), ops.keep_numpy_view(v))
+        return KVSource(*kv, view.window_table, view.window_lens)
 
     def start_transfer(self, layer: int, view: StepView) -> None:
         """Starts copying the layer's first ping-pong chunk into buffer layer % 2 (on CUDA on a side
@@ -822,11 +827,14 @@ def _release_idle_segments(region: HostRegion, alloc: BlockAllocator) -> None:
 def compute_source(region: HostRegion, layer: int, block_table: torch.Tensor, seq_lens: torch.Tensor) -> KVSource:
     """One layer of a cpu_compute shard as a paged source, in its own block layout (views, on the host):
     [num_blocks, num_kv_heads, <block layout>] each, with the given table and lengths."""
-    fmt = region.handle.format
-    if fmt.compute_layout == PAIRED:
-        k, v = (array[layer].transpose(0, 1) for array in region.arrays)
-        return KVSource(k, v, block_table, seq_lens)
-    return KVSource(region.k[layer].transpose(0, 1), region.v[layer].transpose(0, 1), block_table, seq_lens)
+    kv = region.layer_views.get(layer)
+    if kv is None:
+        if region.handle.format.compute_layout == PAIRED:
+            k, v = (array[layer].transpose(0, 1) for array in region.arrays)
+        else:
+            k, v = region.k[layer].transpose(0, 1), region.v[layer].transpose(0, 1)
+        kv = region.layer_views[layer] = (ops.keep_numpy_view(k), ops.keep_numpy_view(v))
+    return KVSource(*kv, block_table, seq_lens)
 
 
 def one_token_blocks(array: torch.Tensor) -> torch.Tensor:

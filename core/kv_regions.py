@@ -290,6 +290,9 @@ class HostRegion:
         self.arrays = [self._view(offset, array, dim)
                        for offset, (array, dim) in zip(handle.offsets, handle.format.stored_arrays, strict=True)]
         self.committed: set[int] = set()  # segments committed by this process
+        # views derived from the arrays (a layer's K and V as a kernel reads them), made once: the
+        # arrays never move, and a view made per call costs the step its Python (compute_source)
+        self.layer_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Page-locking is per mapping: the process that commits a segment of a pinned region (the
         # cache's: the GPU worker) registers its own view of it with CUDA, where CUDA is present.
         self._pinned: dict[int, list[int]] = {}  # segment -> addresses registered with CUDA
@@ -442,6 +445,7 @@ class HostRegion:
             for address in self._pinned.pop(index):
                 _unpin(address)
         self.arrays = []
+        self.layer_views.clear()
         self._segment.close()
         self._segment = None
 

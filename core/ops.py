@@ -301,6 +301,21 @@ def _as_numpy(t):
     return t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
 
 
+def keep_numpy_view(t: torch.Tensor) -> torch.Tensor:
+    """t with its numpy view made now and kept on it, for a KV array view that lives as long as its
+    region (the caches make each layer's once): a kernel call then finds it made instead of making
+    it (about 3 us each). t is returned; a device tensor is left as it is."""
+    if t.device.type == "cpu":
+        t._writescope_numpy = _as_numpy(t)
+    return t
+
+
+def _kv_numpy(t):
+    """_as_numpy of a KV array: the view keep_numpy_view kept on it, if any."""
+    array = getattr(t, "_writescope_numpy", None)
+    return _as_numpy(t) if array is None else array
+
+
 def _triton_module():
     from writescope import triton_attention
 
@@ -329,7 +344,7 @@ def cpu_paged_attention_timed(q, source: KVSource, scale):
     out = torch.empty((num_seqs, num_q_heads, _head_dim_v(source)), dtype=torch.float32)
     lse = torch.empty((num_seqs, num_q_heads), dtype=torch.float32)
     seconds = _cpu_module().paged_attention(
-        _as_numpy(q), _as_numpy(k_cache), _as_numpy(v_cache), _as_numpy(block_table), _as_numpy(seq_lens),
+        _as_numpy(q), _kv_numpy(k_cache), _kv_numpy(v_cache), _as_numpy(block_table), _as_numpy(seq_lens),
         out.numpy(), lse.numpy(),
         q_dtype=DTYPE_NAMES[q.dtype], kv_dtype=DTYPE_NAMES[k_cache.dtype], layout=source.layout, scale=scale,
     )
