@@ -1,9 +1,9 @@
-"""The batch entry through `ray job submit` on a real head node: stopped halfway with `ray job
-stop`, resubmitted, every id exactly once with the tokens of an uninterrupted run; a GPU worker
-killed mid-batch costs nothing (its requests are retried); bad and poison lines become error
-records keyed so they cannot collide with a real id; a second job on the same output is refused;
-a corrupted output line is moved aside on resume. The head runs as a child of this test (own temp
-dir, token auth on) and is stopped by its PID, never with `ray stop`."""
+"""The batch entry through `ray job submit` on a real head node: stopped halfway through Ray's job
+API (what `ray job stop` calls), resubmitted, every id exactly once with the tokens of an
+uninterrupted run; a GPU worker killed mid-batch costs nothing (its requests are retried); bad and
+poison lines become error records keyed so they cannot collide with a real id; a second job on the
+same output is refused; a corrupted output line is moved aside on resume. The head runs as a child
+of this test (own temp dir, token auth on) and is stopped by its PID, never with `ray stop`."""
 
 import json
 import os
@@ -152,14 +152,38 @@ def assert_complete(output, expected):
         assert record == expected[key(record)]
 
 
+# `ray job stop`'s own steps (stop_job, then wait for a final status), in a process started before the
+# batch: the CLI's start-up (Ray's import, seconds on a 2-core host) once let the batch finish first.
+STOPPER = """
+import sys, time
+from ray.job_submission import JobStatus, JobSubmissionClient
+client = JobSubmissionClient(sys.argv[1])
+print("ready", flush=True)
+job = sys.stdin.readline().strip()
+client.stop_job(job)
+deadline = time.monotonic() + 100
+while not client.get_job_status(job).is_terminal() and time.monotonic() < deadline:
+    time.sleep(0.1)
+print(client.get_job_status(job).value, flush=True)
+"""
+
+
+def ready_stopper(address, env) -> subprocess.Popen:
+    """A process holding a job client of the head, waiting for the id of the job to stop on stdin."""
+    stopper = subprocess.Popen([sys.executable, "-c", STOPPER, address], env=env, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert stopper.stdout.readline().strip() == "ready", stopper.stderr.read() if stopper.poll() is not None else ""
+    return stopper
+
+
 def test_a_stopped_batch_resumes_and_every_id_appears_once_with_the_same_tokens(head, reference, tmp_path):
     address, env = head
     workdir, expected = reference
     output = tmp_path / "results.jsonl"
+    stopper = ready_stopper(address, env)
     job = submit_and_wait_for_results(head, workdir, output)
-    stopped = subprocess.run([f"{BIN}/ray", "job", "stop", "--address", address, job], env=env,
-                             capture_output=True, text=True, timeout=120)
-    assert stopped.returncode == 0, stopped.stderr
+    status, errors = stopper.communicate(job + "\n", timeout=120)
+    assert stopper.returncode == 0 and status.strip() == "STOPPED", errors
     halfway = read_results(output)
     assert 6 <= len(halfway) < len(expected), "the stop came after the batch ended: nothing to resume"
 
