@@ -152,8 +152,10 @@ def assert_complete(output, expected):
         assert record == expected[key(record)]
 
 
-# `ray job stop`'s own steps (stop_job, then wait for a final status), in a process started before the
-# batch: the CLI's start-up (Ray's import, seconds on a 2-core host) once let the batch finish first.
+# What a test does to a running batch, in a process started before the batch: a CLI started after it
+# (Ray's import, seconds on a 2-core host, and more in a fresh virtualenv that compiles Ray's modules
+# on first use) has let the batch finish first. Each prints "ready", then acts on a line of stdin.
+# `ray job stop`'s own steps: stop_job, then wait for a final status.
 STOPPER = """
 import sys, time
 from ray.job_submission import JobStatus, JobSubmissionClient
@@ -168,19 +170,36 @@ print(client.get_job_status(job).value, flush=True)
 """
 
 
-def ready_stopper(address, env) -> subprocess.Popen:
-    """A process holding a job client of the head, waiting for the id of the job to stop on stdin."""
-    stopper = subprocess.Popen([sys.executable, "-c", STOPPER, address], env=env, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert stopper.stdout.readline().strip() == "ready", stopper.stderr.read() if stopper.poll() is not None else ""
-    return stopper
+# `ray list actors --filter class_name=GPUWorker --filter state=ALIVE --detail`: their pids.
+GPU_WORKER_PIDS = """
+import json, sys
+from ray.util.state import list_actors
+
+def pids():
+    alive = list_actors(address=sys.argv[1], filters=[("class_name", "=", "GPUWorker"), ("state", "=", "ALIVE")],
+                        detail=True)
+    return [actor.pid for actor in alive]
+
+pids()
+print("ready", flush=True)
+sys.stdin.readline()
+print(json.dumps(pids()), flush=True)
+"""
+
+
+def ready_helper(script, address, env) -> subprocess.Popen:
+    """A process running `script` against the head, once it printed "ready"."""
+    helper = subprocess.Popen([sys.executable, "-c", script, address], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert helper.stdout.readline().strip() == "ready", helper.stderr.read() if helper.poll() is not None else ""
+    return helper
 
 
 def test_a_stopped_batch_resumes_and_every_id_appears_once_with_the_same_tokens(head, reference, tmp_path):
     address, env = head
     workdir, expected = reference
     output = tmp_path / "results.jsonl"
-    stopper = ready_stopper(address, env)
+    stopper = ready_helper(STOPPER, address, env)
     job = submit_and_wait_for_results(head, workdir, output)
     status, errors = stopper.communicate(job + "\n", timeout=120)
     assert stopper.returncode == 0 and status.strip() == "STOPPED", errors
@@ -193,20 +212,15 @@ def test_a_stopped_batch_resumes_and_every_id_appears_once_with_the_same_tokens(
     assert_complete(output, expected)
 
 
-def gpu_worker_pids(address, env) -> list[int]:
-    listed = subprocess.run([f"{BIN}/ray", "list", "actors", "--address", address, "--format", "json",
-                             "--filter", "class_name=GPUWorker", "--filter", "state=ALIVE", "--detail"],
-                            env=env, capture_output=True, text=True, timeout=120)
-    assert listed.returncode == 0, listed.stderr
-    return [actor["pid"] for actor in json.loads(listed.stdout)]
-
-
 def test_a_gpu_worker_killed_mid_batch_costs_nothing(head, reference, tmp_path):
     address, env = head
     workdir, expected = reference
     output = tmp_path / "results.jsonl"
+    lister = ready_helper(GPU_WORKER_PIDS, address, env)
     job = submit_and_wait_for_results(head, workdir, output)
-    pids = gpu_worker_pids(address, env)
+    listed, errors = lister.communicate("\n", timeout=120)
+    assert lister.returncode == 0, errors
+    pids = json.loads(listed)
     assert len(pids) == 1
     os.kill(pids[0], signal.SIGKILL)  # Ray restarts it; the requests in flight are retried on the new one
     waited = subprocess.run([f"{BIN}/ray", "job", "logs", "--follow", "--address", address, job], env=env,
