@@ -107,7 +107,7 @@ def serve_app(workdir: str) -> dict:
             stream.started.wait(timeout=120)
         doomed = next(w for w in workers if any(s.node == w.node_id for s in streams))
         removed_at = time.monotonic()
-        cluster.remove_node(doomed)
+        cluster.remove_node(doomed, allow_graceful=False)  # lost: killed at once (a graceful stop let its stream end)
         result["removed"] = doomed.node_id
         result["after"] = answers_after_loss(requests, base, NODE_HEADER, removed_at)  # while the streams run
         for stream in streams:
