@@ -20,6 +20,12 @@ each call reads the next one, so at least --cold-bytes (default: the bandwidth p
 read between two reads of the same bytes. On a host whose last-level cache holds a short context
 (480 MiB on some Xeons), timing one copy over and over measures the cache, not the roofline.
 
+Paired roofline: a shared host's read rate drifts within a run (22-43 GB/s seen in one run on a
+2-vCPU Zen 4), so a probe before and after the rows can flatter or wrong a row. Each timed kernel
+call is therefore followed by a streaming read, with the kernel's threads, of a copy of the very
+bytes it reads (the KV arrays as stored, in the same rotation over the copies); "of paired roofline"
+is the median over those rounds of max(that read's time, the compute bound) / the call's time.
+
 FLOPs = 2 * num_q_heads * seq_len * (head_dim_qk + head_dim_v)  (QK^T and PV multiply-adds)
 KV bytes = num_kv_heads * seq_len * (head_dim_qk + head_dim_v) * 2, but MLA reads its latent once:
            seq_len * 576 * 2.
@@ -34,6 +40,8 @@ import itertools
 import logging
 import os
 import platform
+import statistics
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -161,23 +169,57 @@ def bench_row(shape, seq_len, roofline, args):
     sources = [cache_source(shape, k, v, torch.Generator().manual_seed(seq_len * 1000 + i), args.run_blocks)
                for i in range(num_copies)]
     check_against_reference(q, sources[0], k, v, scale)
-    kernel = rotating([lambda s=s: ops.cpu_paged_attention_timed(q[None], s, scale) for s in sources])
-    kernel_s = median_time_s(kernel, args.repeats, max(args.warmup, num_copies))
-    del kernel, sources
+    kernel_s, read_s = paired_times(shape, q, sources, scale, max(args.warmup, num_copies), args.repeats)
+    del sources
     peers = {} if args.no_peers else measure_peers(shape, q, k, v, scale, num_copies, 1, args.peer_repeats)
     nbytes, nflops = kv_bytes(shape, seq_len), flops(shape, seq_len)
+    median_kernel_s = statistics.median(kernel_s)
     row = {
         "shape": shape.name,
         "seq_len": seq_len,
         "kv_copies": num_copies,
-        "kernel_ms": kernel_s * 1e3,
-        "kv_gbps": nbytes / kernel_s / 1e9,
-        "gflops": nflops / kernel_s / 1e9,
+        "kernel_ms": median_kernel_s * 1e3,
+        "kv_gbps": nbytes / median_kernel_s / 1e9,
+        "gflops": nflops / median_kernel_s / 1e9,
+        "paired_read_gbps": nbytes / statistics.median(read_s) / 1e9,
+        "rounds": [{"kernel_s": kernel, "read_s": read} for kernel, read in zip(kernel_s, read_s, strict=True)],
         **{f"{name}_ms": t * 1e3 for name, t in peers.items()},
-        **{f"speedup_vs_{name}": t / kernel_s for name, t in peers.items()},
+        **{f"speedup_vs_{name}": t / median_kernel_s for name, t in peers.items()},
     }
     rescale_to_roofline(row, shape, roofline)
     return row
+
+
+def probe_buffers(shape: Shape, source: ops.KVSource) -> list:
+    """The arrays a kernel call on `source` reads, whole, as numpy views of their storage: K and V
+    (K alone where V lies inside it)."""
+    arrays = [source.k_cache] if shape.v_in_k else [source.k_cache, source.v_cache]
+    storage = [a.transpose(0, 1) for a in arrays]  # the views [blocks, kv_heads, ...] of [kv_heads, blocks, ...]
+    assert all(a.is_contiguous() for a in storage)
+    return [ops._as_numpy(a) for a in storage]
+
+
+def paired_times(shape: Shape, q, sources: list, scale: float, warmup: int, repeats: int):
+    """(kernel seconds, read seconds) per round. Each round runs the kernel over one copy of the KV and
+    then stream-reads another copy whole with the kernel's threads (`_cpu.stream_read_seconds`): the
+    memory roofline of the same bytes, measured next to the call it bounds, so a drift of the host's
+    bandwidth between the two cannot pass for the kernel's (this host's read rate moved 22-43 GB/s
+    within one run). Kernel and probe share one rotation over the copies, so every read, either's,
+    finds its bytes as cold as the copies keep them."""
+    buffers = [probe_buffers(shape, source) for source in sources]
+    reads = itertools.count()
+
+    def turn():
+        copy = next(reads)
+        start = time.perf_counter()
+        ops.cpu_paged_attention_timed(q[None], sources[copy % len(sources)], scale)
+        kernel = time.perf_counter() - start
+        return kernel, _cpu.stream_read_seconds(buffers[next(reads) % len(sources)])
+
+    for _ in range(warmup):
+        turn()
+    rounds = [turn() for _ in range(repeats)]
+    return [kernel for kernel, _ in rounds], [read for _, read in rounds]
 
 
 def check_against_reference(q, source, k, v, scale):
@@ -209,6 +251,9 @@ def rescale_to_roofline(row: dict, shape: Shape, roofline: dict) -> None:
     row["roofline_ms"] = max(memory_s, compute_s) * 1e3
     row["bound"] = "memory" if memory_s >= compute_s else "compute"
     row["fraction_of_roofline"] = row["roofline_ms"] / row["kernel_ms"]
+    # the same bound with each round's own read of the same bytes: the median of the rounds' fractions
+    row["fraction_of_paired_roofline"] = statistics.median(
+        max(r["read_s"], compute_s) / r["kernel_s"] for r in row["rounds"])
 
 
 def measure_roofline(read_bytes: int) -> dict:
@@ -240,8 +285,8 @@ def markdown_table(result: dict) -> str:
         f"(copies rotated)",
         "",
         "| shape | L | QK/PV | kernel ms | KV GB/s | GFLOP/s | bound | roofline ms | of roofline "
-        "| vs SDPA bf16 | vs SDPA fp32 | vs bmm+softmax |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| paired read GB/s | of paired roofline | vs SDPA bf16 | vs SDPA fp32 | vs bmm+softmax |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         ratios = [f"{r[k]:.1f}x" if k in r else "-" for k in
@@ -249,7 +294,8 @@ def markdown_table(result: dict) -> str:
         lines.append(
             f"| {r['shape']} | {r['seq_len'] // 1024}K | {r['instructions']} | {r['kernel_ms']:.2f} "
             f"| {r['kv_gbps']:.1f} | {r['gflops']:.0f} "
-            f"| {r['bound']} | {r['roofline_ms']:.2f} | {r['fraction_of_roofline']:.2f} | " + " | ".join(ratios) + " |"
+            f"| {r['bound']} | {r['roofline_ms']:.2f} | {r['fraction_of_roofline']:.2f} "
+            f"| {r['paired_read_gbps']:.1f} | {r['fraction_of_paired_roofline']:.2f} | " + " | ".join(ratios) + " |"
         )
     return "\n".join(lines)
 
@@ -295,8 +341,8 @@ def main(argv: list[str] | None = None):
     for shape in (s for s in SHAPES if s.name in args.shapes):
         for seq_len in args.seq_lens:
             row = bench_row(shape, seq_len, roofline, args)
-            log.info("%s L=%d: %.2f ms, %.2f of roofline", shape.name, seq_len, row["kernel_ms"],
-                     row["fraction_of_roofline"])
+            log.info("%s L=%d: %.2f ms, %.2f of roofline, %.2f of the paired roofline", shape.name, seq_len,
+                     row["kernel_ms"], row["fraction_of_roofline"], row["fraction_of_paired_roofline"])
             rows.append(row)
     after = measure_roofline(args.read_bytes)
     log.info("after the rows: read %.1f GB/s, FMA %.0f GFLOP/s", after["read_gbps"], after["fma_gflops"])

@@ -71,6 +71,8 @@ PYBIND11_MODULE(_cpu, m) {
         "Rebuilds the pool with num_threads threads (the caller included), workers pinned to cpus if given.");
   m.def("read_bandwidth", &read_bandwidth, py::arg("num_bytes"), py::arg("repeats"),
         "Streaming-read bandwidth in GB/s per repeat, with the current variant and pool.");
+  m.def("stream_read_seconds", &stream_read_seconds, py::arg("buffers"),
+        "Seconds to stream-read the given C-contiguous arrays whole, once, with the current variant and pool.");
   m.def("fma_peak", &fma_peak, py::arg("iterations"), py::arg("repeats"),
         "Float32 FMA throughput in GFLOP/s per repeat, with the current variant and pool.");
   m.def("dot_peak", &dot_peak, py::arg("iterations"), py::arg("repeats"),

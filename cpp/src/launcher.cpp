@@ -440,6 +440,30 @@ std::vector<double> read_bandwidth(int64_t num_bytes, int repeats) {
   return gbps;
 }
 
+double stream_read_seconds(const std::vector<py::object>& buffers) {
+  if (buffers.empty()) fail("buffers: expected at least one array, got none");
+  std::vector<ReadJob> jobs;
+  std::atomic<double> sink{0.0};
+  Runtime& rt = runtime();
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const std::string name = "buffers[" + std::to_string(i) + "]";
+    // an array as it is: converting anything else would read a copy, not the bytes asked about
+    if (!py::isinstance<py::array>(buffers[i]))
+      fail(name + ": expected a numpy array, got " + std::string(py::str(py::type::of(buffers[i]).attr("__name__"))));
+    const auto array = py::reinterpret_borrow<py::array>(buffers[i]);
+    check_c_contiguous(array, name.c_str());
+    const int64_t count = static_cast<int64_t>(array.nbytes()) / 4;  // read as float32 words
+    if (count < 1) fail(name + ": must hold at least 4 bytes, got " + std::to_string(array.nbytes()));
+    jobs.push_back(ReadJob{rt.kernels, static_cast<const float*>(array.data()), count, 0, &sink});
+  }
+  py::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(rt.mutex);
+  for (ReadJob& job : jobs) job.slices = int64_t{8} * rt.pool->num_threads();
+  const auto start = std::chrono::steady_clock::now();
+  for (ReadJob& job : jobs) rt.pool->run(job.slices, &read_slice, &job);
+  return seconds_since(start);
+}
+
 std::vector<double> fma_peak(int64_t iterations, int repeats) { return mac_peak(iterations, repeats, MacKind::kFma); }
 
 std::vector<double> tile_peak(int64_t iterations, int repeats) {

@@ -41,6 +41,10 @@ void merge_partials(const py::array& outs, const py::array& lses, py::array& out
 
 // Streaming-read bandwidth in GB/s, one figure per repeat, over a buffer of num_bytes.
 std::vector<double> read_bandwidth(int64_t num_bytes, int repeats);
+// Seconds to read `buffers` (C-contiguous arrays) whole, once, with the pool's threads and the
+// variant's streaming read: the memory roofline of a call that reads exactly those bytes, measured
+// next to it (a host's bandwidth drifts within a run; a probe minutes away measures another moment).
+double stream_read_seconds(const std::vector<py::object>& buffers);
 // Float32 FMA throughput in GFLOP/s, one figure per repeat, each lasting `iterations` FMA rounds.
 std::vector<double> fma_peak(int64_t iterations, int repeats);
 // The same for the bf16 dot product (2 multiply-adds per lane per instruction), where the variant has one.

@@ -147,6 +147,11 @@ def test_merge_rejects(change, message):
         (lambda: _cpu.read_bandwidth(1000, 1), "num_bytes must be >= 1 MiB"),
         (lambda: _cpu.read_bandwidth(1 << 20, 0), "repeats must be >= 1"),
         (lambda: _cpu.fma_peak(0, 1), "iterations must be >= 1"),
+        (lambda: _cpu.stream_read_seconds([]), "buffers: expected at least one array, got none"),
+        (lambda: _cpu.stream_read_seconds([torch.ones(4)]), r"buffers\[0\]: expected a numpy array, got Tensor"),
+        (lambda: _cpu.stream_read_seconds([np.ones(4), [1.0]]), r"buffers\[1\]: expected a numpy array, got list"),
+        (lambda: _cpu.stream_read_seconds([np.ones((4, 4))[:, ::2]]), r"buffers\[0\]: must be C-contiguous"),
+        (lambda: _cpu.stream_read_seconds([np.ones(3, dtype=np.uint8)]), r"buffers\[0\]: must hold at least 4 bytes"),
     ],
 )
 def test_runtime_controls_reject(call, message):

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -248,6 +249,14 @@ def test_best_variant_is_the_default():
 def test_roofline_probes_return_positive_figures():
     assert all(gbps > 0 for gbps in _cpu.read_bandwidth(8 << 20, 2))
     assert all(gflops > 0 for gflops in _cpu.fma_peak(10000, 2))
+
+
+def test_stream_read_takes_the_callers_arrays_whole():
+    # bf16 KV as the benchmark passes it (its int16 bit pattern), float32, and bytes whose count is not
+    # a multiple of 4 (the last word's remainder is not read, nothing past the array is)
+    kv = ops._as_numpy(torch.randn(2, 64, 16, 32).bfloat16())
+    assert _cpu.stream_read_seconds([kv]) > 0
+    assert _cpu.stream_read_seconds([np.ones(1 << 20, dtype=np.float32), kv, np.ones(4099, dtype=np.uint8)]) > 0
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])

@@ -2,8 +2,10 @@
 inside the tool, and the figures the README's table is made of."""
 
 import json
+import statistics
 
 import pytest
+import torch
 
 from writescope import _cpu
 from writescope.tools import bench_cpu_attention as bench
@@ -11,7 +13,7 @@ from writescope.tools import bench_cpu_attention as bench
 
 def test_rows_carry_the_roofline_the_instructions_and_the_machine(tmp_path):
     out = tmp_path / "cpu_attention.json"
-    bench.main(["--seq-lens", "64", "256", "--no-peers", "--repeats", "1", "--warmup", "0",
+    bench.main(["--seq-lens", "64", "256", "--no-peers", "--repeats", "3", "--warmup", "0",
                 "--read-bytes", str(1 << 20), "--run-blocks", "2", "--cold-bytes", str(1 << 20), "--out", str(out)])
     result = json.loads(out.read_text())
     machine = result["machine"]
@@ -26,6 +28,18 @@ def test_rows_carry_the_roofline_the_instructions_and_the_machine(tmp_path):
         assert row["instructions"] in ("fma/fma", "dot/dot", "tile/tile")
         assert row["kernel_ms"] > 0 and row["roofline_ms"] > 0
         assert row["fraction_of_roofline"] == pytest.approx(row["roofline_ms"] / row["kernel_ms"])
+        # every timed call has the read of its bytes beside it; the paired fraction is recomputed here
+        # from the rounds and the machine's peaks, with the roofline's definition
+        rounds = row["rounds"]
+        assert len(rounds) == 3 and all(r["kernel_s"] > 0 and r["read_s"] > 0 for r in rounds)
+        assert row["kernel_ms"] == pytest.approx(statistics.median(r["kernel_s"] for r in rounds) * 1e3)
+        assert row["paired_read_gbps"] == pytest.approx(
+            bench.kv_bytes(shape, row["seq_len"]) / statistics.median(r["read_s"] for r in rounds) / 1e9)
+        qk, pv = row["instructions"].split("/")
+        compute_s = 2 * shape.num_q_heads * row["seq_len"] * (
+            shape.head_dim_qk / machine[f"{qk}_gflops"] + shape.head_dim_v / machine[f"{pv}_gflops"]) / 1e9
+        assert row["fraction_of_paired_roofline"] == pytest.approx(
+            statistics.median(max(r["read_s"], compute_s) / r["kernel_s"] for r in rounds))
     assert bench.markdown_table(result).count("\n| ") == len(result["rows"]) + 1
 
 
@@ -50,3 +64,14 @@ def test_rotating_calls_visit_every_copy_before_repeating_one():
     per_copy = bench.kv_bytes(mixtral, 1024)
     assert bench.copies_for(mixtral, 1024, 10 * per_copy + 1) == 11
     assert bench.copies_for(mixtral, 1024, 0) == 1
+
+
+@pytest.mark.parametrize("shape", bench.SHAPES, ids=lambda s: s.name)
+def test_the_paired_read_covers_the_bytes_the_kernel_reads(shape):
+    q, k, v = bench.make_inputs(shape, 256)
+    source = bench.cache_source(shape, k, v, torch.Generator().manual_seed(0), 4)
+    buffers = bench.probe_buffers(shape, source)
+    assert sum(b.nbytes for b in buffers) == bench.kv_bytes(shape, 256)
+    # the very storage the kernel's source views, not a copy
+    stored = [source.k_cache] if shape.v_in_k else [source.k_cache, source.v_cache]
+    assert [b.ctypes.data for b in buffers] == [t.data_ptr() for t in stored]
