@@ -201,7 +201,8 @@ def probe_buffers(shape: Shape, source: ops.KVSource) -> list:
 
 def paired_times(shape: Shape, q, sources: list, scale: float, warmup: int, repeats: int):
     """(kernel seconds, read seconds) per round. Each round runs the kernel over one copy of the KV and
-    then stream-reads another copy whole with the kernel's threads (`_cpu.stream_read_seconds`): the
+    then stream-reads the next copy of the rotation whole (the same one where there is only one) with
+    the kernel's threads (`_cpu.stream_read_seconds`): the
     memory roofline of the same bytes, measured next to the call it bounds, so a drift of the host's
     bandwidth between the two cannot pass for the kernel's (this host's read rate moved 22-43 GB/s
     within one run). Kernel and probe share one rotation over the copies, so every read, either's,
