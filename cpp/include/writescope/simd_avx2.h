@@ -29,7 +29,11 @@ struct Avx2Simd {
     const int count = n > 8 ? 8 : n < 0 ? 0 : static_cast<int>(n);
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
   }
-  static void store_partial(float* p, V x, int64_t n) { _mm256_maskstore_ps(p, first_lanes(n), x); }
+  // A whole vector takes a plain store: a masked store costs several times more on Zen 3.
+  static void store_partial(float* p, V x, int64_t n) {
+    if (n >= 8) return _mm256_storeu_ps(p, x);
+    _mm256_maskstore_ps(p, first_lanes(n), x);
+  }
   // n <= 8 consecutive (even, odd) element pairs -> lane i holds pair i's even and odd element, as
   // float32; lanes from n on are 0 and nothing past pair n is read.
   // Whole vectors take a plain load: a masked load from memory costs several times more on Zen 3.
