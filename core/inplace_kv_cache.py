@@ -568,22 +568,28 @@ class InplaceKVCache:
         for seq_id, state in zip(seq_ids, states, strict=True):
             self._check_decodable(seq_id, state, appending=pending_tokens > 0)
         self._steps += 1
-        slots = torch.tensor([s.slot for s in states], dtype=torch.int64)
-        positions = torch.tensor([s.window_len for s in states], dtype=torch.int64)
+        # The step's small tensors from Python lists, a few torch.tensor calls and views of them: a
+        # chain of torch ops on a few elements costs 5-10 us an op on a small host.
+        slot_list = [s.slot for s in states]
+        position_list = [s.window_len for s in states]
+        slots_and_positions = torch.tensor([slot_list, position_list], dtype=torch.int64)
+        slots = slots_and_positions[0]
         compute = [self.tables.batch(key, slots) for key in self._compute_keys()]
         transfer = self.tables.batch(_TRANSFER, slots)
         chunks = () if self.pingpong is None else plan_chunks(
             [self.tables.spans.get(s.slot, []) for s in states], self.pingpong.capacity, self.block_size, self.device)
-        window_slots = slots.to(self.device)
+        device = self.device
+        window_slots, window_positions = slots_and_positions.to(device)
+        window_lens, window_slots32 = torch.tensor([[p + pending_tokens for p in position_list], slot_list],
+                                                   dtype=torch.int32, device=device)
         num_kv_heads, window_tokens = self.config.format.num_kv_heads, self.config.window_tokens
-        window_rows = ((slots[:, None] * num_kv_heads + torch.arange(num_kv_heads)) * window_tokens
-                       + positions[:, None]).reshape(-1)
-        return StepView(tuple(seq_ids), self._steps, slots, window_slots, positions.to(self.device),
-                        (positions + pending_tokens).to(torch.int32).to(self.device),
-                        window_slots.to(torch.int32)[:, None],
+        window_rows = [(slot * num_kv_heads + head) * window_tokens + position
+                       for slot, position in zip(slot_list, position_list, strict=True) for head in range(num_kv_heads)]
+        return StepView(tuple(seq_ids), self._steps, slots, window_slots, window_positions, window_lens,
+                        window_slots32[:, None],
                         tuple((table, lens) for table, lens, _ in compute), tuple(n for _, _, n in compute),
                         sum(n for _, _, n in compute),
-                        transfer[:2], transfer[2], chunks, window_rows.to(self.device))
+                        transfer[:2], transfer[2], chunks, torch.tensor(window_rows, dtype=torch.int64, device=device))
 
     def compute_sources(self, layer: int, view: StepView) -> list[KVSource]:
         """The view's cpu_compute tokens of one layer, one paged source per shard (views, on the host)."""

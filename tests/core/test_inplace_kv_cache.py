@@ -129,6 +129,7 @@ def test_random_interleavings_keep_every_invariant(fmt, overrides, ops_list):
             if op == "share":  # r* changes: the CPU rate moved
                 cache.policy.estimator.model = cache.policy.model.with_cpu_rate(x)
             shadow.check()
+            check_step_tables(cache)
             if overrides:
                 check_memory_follows_the_placed_kv(cache)
         assert cache.device_bytes() == device_bytes  # GPU memory does not grow with the sequences
@@ -150,6 +151,45 @@ def play(cache, shadow, seq_id, op, x, y) -> None:
                 shadow.step(ready)
     elif op == "finish" and live:
         shadow.finish(live[x % len(live)])
+
+
+def check_step_tables(cache):
+    """A step's block tables (kept from step to step until a block is sealed) list each live
+    sequence's blocks in every host region as its placements, the record of where each block went."""
+    seqs = list(cache.seqs)
+    if not seqs:
+        return
+    view = cache.step_view(seqs, pending_tokens=0)
+
+    def check(region, shard, table, lens):
+        rows = [[p.block for p in cache.seqs[s].blocks if p.region is region and p.shard == shard] for s in seqs]
+        assert lens.tolist() == [len(row) * cache.block_size for row in rows]
+        assert [table[i, : len(row)].tolist() for i, row in enumerate(rows)] == rows
+
+    for shard, (table, lens) in enumerate(view.compute):
+        check(Region.CPU_COMPUTE, shard, table, lens)
+    check(Region.CPU_TRANSFER, 0, *view.transfer)
+
+
+def test_a_batch_keeps_its_tables_until_one_of_its_blocks_is_sealed():
+    with make_cache(policy=make_policy("fixed_half"), window_tokens=8) as cache:
+        shadow = Shadow(cache)
+        shadow.admit("a", 12, 40)
+        shadow.admit("b", 9, 40)
+        first = cache.step_view(["a", "b"], pending_tokens=0)
+        again = cache.step_view(["a", "b"], pending_tokens=0)
+        assert all(x[0] is y[0] for x, y in zip(first.compute, again.compute, strict=True))
+        assert first.transfer[0] is again.transfer[0]  # nothing sealed between the two: the same tensors
+        blocks = {s: len(cache.seqs[s].blocks) for s in "ab"}
+        while all(len(cache.seqs[s].blocks) == blocks[s] for s in "ab"):
+            shadow.step(["a", "b"])
+            check_step_tables(cache)
+        check_step_tables(cache)  # a block was sealed: the tables follow
+        shadow.finish("a")
+        shadow.admit("c", 20, 8)  # a's slot, new blocks
+        check_step_tables(cache)
+        only_b = cache.step_view(["b"], pending_tokens=0)
+        assert only_b.compute_tokens + only_b.transfer_tokens == len(cache.seqs["b"].blocks) * cache.block_size
 
 
 def check_memory_follows_the_placed_kv(cache):
