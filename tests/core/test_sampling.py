@@ -72,6 +72,27 @@ def test_a_row_of_bad_logits_fails_alone():
     assert draw(all_masked, [0.0], [1.0], [None]) == [FAILED]
 
 
+def test_greedy_takes_torchs_argmax_and_fails_only_rows_without_a_finite_max():
+    """At a real model's vocabulary: ties go to the first index, as torch.argmax; a row that is
+    partly -inf (masked) still decodes; NaN, +inf or a row masked whole fails."""
+    vocab = 151936
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(0))
+    logits[0, [7, 90000, 151935]] = 9.0  # a three-way tie
+    logits[1, : vocab // 2] = -math.inf  # masked in part
+    logits[1, vocab - 1] = 8.0
+    logits[2, 100] = math.nan
+    logits[3, 5] = math.inf
+    logits[4] = -math.inf
+    logits[5] = -1.0
+    logits[5, 3], logits[5, 10] = -0.0, 0.0  # equal: the first wins
+    tokens = draw(logits, [0.0] * 6, [1.0] * 6, [None] * 6)
+    expected = torch.argmax(logits, dim=-1).tolist()
+    assert tokens[0] == expected[0] == 7
+    assert tokens[1] == expected[1] == vocab - 1
+    assert tokens[2:5] == [FAILED] * 3
+    assert tokens[5] == expected[5] == 3
+
+
 def test_a_request_samples_the_same_tokens_whatever_its_batch():
     logits = torch.randn(5, 40)
     alone = draw(logits[2:3], [0.8], [0.9], [make_generator(7)])
