@@ -1,6 +1,7 @@
 """Calibration times the engine's own paths once per machine and setup, caches them with their
 timings, re-measures on demand, and measures how much the two sides overlap."""
 
+import dataclasses
 import json
 import threading
 import time
@@ -65,13 +66,59 @@ def test_calibration_is_cached_per_machine_and_setup_and_forced_again(engine, ca
     (key,) = entries
     assert key.startswith(calibration.machine_fingerprint("cpu")) and '"batch": 2' in key
     assert '"cpu_partial": "LocalCPUPartial"' in key
-    entries[key]["model"]["cpu_s_per_token"] = 1.25e-7  # a second call reads the cache: the edit comes back
+    edited = entries[key]["model"]["cpu_s_per_token"] * 1.05  # within what the check allows
+    entries[key]["model"]["cpu_s_per_token"] = edited  # a second call reads the cache: the edit comes back
     (cache_dir / "calibration.json").write_text(json.dumps(entries))
-    assert engine.calibrate(lengths=LENGTHS).cpu_s_per_token == 1.25e-7
+    assert engine.calibrate(lengths=LENGTHS).cpu_s_per_token == edited
     remeasured = engine.calibrate(force=True, lengths=LENGTHS)
-    assert stored(cache_dir)[key]["model"]["cpu_s_per_token"] == remeasured.cpu_s_per_token != 1.25e-7
+    assert stored(cache_dir)[key]["model"]["cpu_s_per_token"] == remeasured.cpu_s_per_token != edited
     engine.calibrate(lengths=(256, 2048))  # other lengths: their own entry
     assert len(stored(cache_dir)) == 2
+
+
+def scaled_entry(cache_dir, cpu: float, device: float) -> tuple[str, dict]:
+    """The one cached fit with each side's costs (rate and fixed) times a factor, written back."""
+    entries = stored(cache_dir)
+    (key, entry), = entries.items()
+    for name, factor in (("cpu_s_per_token", cpu), ("cpu_fixed_s", cpu), ("cpu_dispatch_s", cpu),
+                         ("transfer_s_per_token", device), ("gpu_fixed_s", device)):
+        entry["model"][name] *= factor
+    (cache_dir / "calibration.json").write_text(json.dumps(entries))
+    return key, entry["model"]
+
+
+def test_a_cached_fit_whose_side_ratio_the_host_no_longer_shows_is_measured_again(engine, cache_dir, caplog):
+    """A fit cached while something else held the cores (its CPU side 4x what this host pays now)
+    would place every later engine's KV by it: the check at the longest length finds the ratio of the
+    sides moved, and the whole calibration is measured again and cached."""
+    engine.calibrate(lengths=LENGTHS)
+    first_timings = next(iter(stored(cache_dir).values()))["timings"]
+    key, stale = scaled_entry(cache_dir, cpu=4.0, device=1.0)
+    with caplog.at_level("WARNING", logger="writescope.calibration"):
+        model = engine.calibrate(lengths=LENGTHS)
+    assert "no longer holds" in caplog.text
+    assert model != PerfModel(**stale)
+    entry = stored(cache_dir)[key]  # the cache holds the new fit and the timings it came from
+    assert entry["model"] == dataclasses.asdict(model) and entry["timings"] != first_timings
+    assert model == calibration.fit(entry["timings"])
+
+
+def test_a_cached_fit_slower_or_faster_on_both_sides_alike_is_kept(engine, cache_dir, caplog):
+    """The check is on the ratio of the sides, which is what r* depends on: a fit whose every cost
+    is 3x (or a third of) this host's is used as cached, without a warning."""
+    engine.calibrate(lengths=LENGTHS)
+    for factor in (3.0, 1 / 3):
+        _, scaled = scaled_entry(cache_dir, cpu=factor, device=factor)
+        with caplog.at_level("WARNING", logger="writescope.calibration"):
+            assert engine.calibrate(lengths=LENGTHS) == PerfModel(**scaled)
+        assert "no longer holds" not in caplog.text
+
+
+def test_the_drift_is_the_measured_side_ratio_over_the_fits():
+    model = PerfModel(cpu_s_per_token=1e-8, transfer_s_per_token=4e-8, cpu_fixed_s=1e-4, gpu_fixed_s=2e-4)
+    timing = {"cpu_tokens": 10_000, "device_tokens": 10_000, "cpu_s": 4e-4, "device_s": 3e-4}
+    # the fit: cpu 1e-4 + 1e-4 = 2e-4 s, device 4e-4 + 2e-4 = 6e-4 s, ratio 1/3; measured 4/3
+    assert calibration.ratio_drift(model, timing) == pytest.approx(4.0)
 
 
 def test_a_corrupt_or_old_cache_is_measured_again(engine, cache_dir):
