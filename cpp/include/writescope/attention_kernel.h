@@ -632,6 +632,11 @@ struct ItemKernel {
   WS_INLINE void store_split_scores(int64_t g0, int64_t t0, V* acc) {
     float sums[GT * TT];
     reduce_scores<GT * TT>(acc, sums);
+    if (split_qk == dim_qk) {  // no dims left: a head's TT scores are one copy
+      for (int gi = 0; gi < GT; ++gi)
+        std::memcpy(scores + (g0 + gi) * kTileTokens + t0, sums + gi * TT, sizeof(float) * TT);
+      return;
+    }
     for (int gi = 0; gi < GT; ++gi) {
       for (int ti = 0; ti < TT; ++ti) {
         float s = sums[gi * TT + ti];
