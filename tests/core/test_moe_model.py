@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from writescope.loading import load_model
-from writescope.models.layers import swiglu
+from writescope.models.layers import rms_norm, swiglu
 from writescope.models.moe_model import MoEModel
 
 MOE_PRESETS = ["tiny-qwen3-moe", "tiny-mixtral", "tiny-deepseek-v2"]
@@ -97,3 +97,32 @@ def test_cold_experts_beside_a_gpu_are_not_stacked_and_give_the_same_result():
         x = torch.randn(2, config.hidden_size, generator=torch.Generator().manual_seed(1)).to("cuda")
         results.append(model._moe(first_moe_layer(model), x).cpu())
     torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 33])
+def test_the_absorbed_mla_query_and_output_are_the_float64_math_rounded_once(tokens):
+    """On a CPU W_UK and W_UV are kept in float32 (torch's bf16 batched matmul there is a plain loop):
+    the absorbed query and the per-head values are the exact products of the bf16 operands, rounded to
+    bf16 once."""
+    config, weights, _, _ = load_model("tiny-deepseek-v2", "bfloat16")
+    model = MoEModel(config, weights)
+    assert model.w["absorbed.0.w_uk"].dtype == model.w["absorbed.0.w_uv"].dtype == torch.float32
+    kv_b = weights["model.layers.0.self_attn.kv_b_proj.weight"].double().view(
+        config.num_q_heads, config.qk_nope_head_dim + config.v_head_dim, config.kv_lora_rank)
+    w_uk, w_uv = kv_b[:, : config.qk_nope_head_dim], kv_b[:, config.qk_nope_head_dim:]
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = torch.randn(tokens, config.hidden_size, generator=generator).to(torch.bfloat16)
+    rope = model.rope(torch.arange(tokens))
+    q, _ = model.attention_inputs(0, hidden, rope)
+    x = rms_norm(hidden, model.w["model.layers.0.input_layernorm.weight"], config.rms_norm_eps)
+    q_full = (x.double() @ weights["model.layers.0.self_attn.q_proj.weight"].double().T).to(torch.bfloat16)
+    q_nope = q_full.view(tokens, config.num_q_heads, -1)[..., : config.qk_nope_head_dim]
+    expected_latent = torch.einsum("thn,hnc->thc", q_nope.double(), w_uk).to(torch.bfloat16)
+    assert torch.equal(q[..., : config.kv_lora_rank], expected_latent)
+
+    attention = torch.randn(tokens, config.num_q_heads, config.kv_lora_rank, generator=generator)
+    values = torch.einsum("thc,hvc->thv", attention.to(torch.bfloat16).double(), w_uv).to(torch.bfloat16)
+    o_proj = weights["model.layers.0.self_attn.o_proj.weight"]
+    expected_out = hidden + (values.reshape(tokens, -1).double() @ o_proj.double().T).to(torch.bfloat16)
+    torch.testing.assert_close(model.attention_output(0, attention, hidden), expected_out, rtol=0, atol=0)
+
