@@ -79,17 +79,22 @@ def rms_norm(x, weight, eps: float):
 
 
 def takes_routed_experts(x, weights, gate_up, down) -> bool:
-    """Whether routed_experts runs these (else the caller's torch path does)."""
-    return (_takes(x, weights, gate_up, down) and x.dim() == 2 and 0 < x.shape[0] <= MAX_DECODE_ROWS
+    """Whether routed_experts runs these (else the caller's torch path does). The routing weights may
+    be float32 (DeepSeek-V2's) as well as bf16."""
+    weights_taken = (weights.dtype in (torch.bfloat16, torch.float32) and weights.device.type == "cpu"
+                     and not weights.requires_grad)
+    return (weights_taken and _takes(x, gate_up, down) and x.dim() == 2 and 0 < x.shape[0] <= MAX_DECODE_ROWS
             and x.shape[1] % 2 == 0 and down.shape[-1] % 2 == 0)
 
 
 def routed_experts(x, weights, experts, gate_up, down):
-    """x [T, hidden] bf16, weights [T, top_k] bf16, experts [T, top_k] int64, gate_up [E, 2 * inter,
-    hidden], down [E, hidden, inter] -> [T, hidden] bf16: sum over slots of weight x down(silu(gate) *
-    up) of the slot's expert, each expert's weights read in place (no gather)."""
+    """x [T, hidden] bf16, weights [T, top_k] bf16 or float32, experts [T, top_k] int64, gate_up [E,
+    2 * inter, hidden], down [E, hidden, inter] -> [T, hidden] bf16: sum over slots of weight x
+    down(silu(gate) * up) of the slot's expert, each expert's weights read in place (no gather)."""
     out = torch.empty_like(x)
-    _cpu().moe_experts_bf16(_bits(x.contiguous()), _bits(weights.contiguous()),
+    weights = weights.detach().contiguous()
+    weights = weights.numpy() if weights.dtype == torch.float32 else _bits(weights)
+    _cpu().moe_experts_bf16(_bits(x.contiguous()), weights,
                             experts.to(torch.int64).contiguous().numpy(), _weight_bits(gate_up), _weight_bits(down),
                             _bits(out))
     return out

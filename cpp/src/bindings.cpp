@@ -55,8 +55,9 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("moe_experts_bf16", &moe_experts_bf16, py::arg("x").noconvert(), py::arg("weights").noconvert(),
         py::arg("experts").noconvert(), py::arg("gate_up").noconvert(), py::arg("down").noconvert(),
         py::arg("out").noconvert(),
-        "Routed SwiGLU experts of a few tokens: x [tokens, hidden], weights and experts [tokens, top_k], gate_up "
-        "[E, 2 * inter, hidden], down [E, hidden, inter] -> out [tokens, hidden] bf16, written in place.");
+        "Routed SwiGLU experts of a few tokens: x [tokens, hidden], weights (bf16 or float32) and experts "
+        "[tokens, top_k], gate_up [E, 2 * inter, hidden], down [E, hidden, inter] -> out [tokens, hidden] bf16, "
+        "written in place.");
   m.def("available_variants", &available_variants, "ISA variants this CPU runs, best first.");
   m.def(
       "set_variant",

@@ -143,7 +143,7 @@ void check_eps(double eps) {
 // Routed experts of a few tokens: x [tokens, hidden] bf16, weight_bits [tokens, top_k] bf16, chosen
 // [tokens, top_k] (each valid), gate_up [E, 2 * intermediate, hidden], down [E, hidden, intermediate]
 // -> out [tokens, hidden] bf16. Called with the GIL released.
-void experts_rows(const uint16_t* x_bits, int64_t tokens, int64_t hidden, const uint16_t* weight_bits,
+void experts_rows(const uint16_t* x_bits, int64_t tokens, int64_t hidden, const float* weights,
                   const int64_t* chosen, int64_t top_k, const uint16_t* gate_up_bits, const uint16_t* down_bits,
                   int64_t intermediate, uint16_t* out_bits) {
   const IsaKernels* kernels = runtime().kernels;
@@ -174,7 +174,7 @@ void experts_rows(const uint16_t* x_bits, int64_t tokens, int64_t hidden, const 
       DotJob down_job{kernels, act_split.data(), 1, inter_padded, inter_pairs, hidden,
                       down_bits + e * hidden * intermediate, intermediate, down_out.data()};
       run_dot(down_job);
-      const float weight = bf16_bits_to_float(weight_bits[t * top_k + s]);
+      const float weight = weights[t * top_k + s];
       for (int64_t h = 0; h < hidden; ++h)
         token_sum[h] += bf16_bits_to_float(bf16_round(bf16_bits_to_float(bf16_round(down_out[h])) * weight));
     }
@@ -365,7 +365,12 @@ void output_projection_bf16(const py::array& attention, const py::array& weight,
 void moe_experts_bf16(const py::array& x, const py::array& weights, const py::array& experts,
                       const py::array& gate_up, const py::array& down, py::array& out) {
   check_bf16_matrix(x, "x", 2, "[tokens, hidden]");
-  check_bf16_matrix(weights, "weights", 2, "[tokens, top_k]");
+  check_ndim(weights, "weights", 2, "[tokens, top_k]");
+  check_c_contiguous(weights, "weights");
+  const bool float_weights = weights.dtype().kind() == 'f' && weights.itemsize() == 4;
+  if (!float_weights && !((weights.dtype().kind() == 'i' || weights.dtype().kind() == 'u') && weights.itemsize() == 2))
+    fail("weights: element type '" + std::string(py::str(weights.dtype())) +
+         "'; allowed: bf16 (as 16-bit integers) or float32");
   check_ndim(experts, "experts", 2, "[tokens, top_k]");
   if (experts.dtype().kind() != 'i' || experts.itemsize() != 8)
     fail("experts: expected int64, got " + std::string(py::str(experts.dtype())));
@@ -388,12 +393,16 @@ void moe_experts_bf16(const py::array& x, const py::array& weights, const py::ar
       fail("experts: entry " + std::to_string(i) + " is " + std::to_string(chosen[i]) + "; allowed: 0 to " +
            std::to_string(num_experts - 1));
   const auto* x_bits = static_cast<const uint16_t*>(x.data());
-  const auto* weight_bits = static_cast<const uint16_t*>(weights.data());
+  std::vector<float> weight_values(tokens * top_k);
+  for (int64_t i = 0; i < tokens * top_k; ++i)
+    weight_values[i] = float_weights ? static_cast<const float*>(weights.data())[i]
+                                     : bf16_bits_to_float(static_cast<const uint16_t*>(weights.data())[i]);
   const auto* gate_up_bits = static_cast<const uint16_t*>(gate_up.data());
   const auto* down_bits = static_cast<const uint16_t*>(down.data());
   auto* out_bits = static_cast<uint16_t*>(out.mutable_data());
   py::gil_scoped_release release;
-  experts_rows(x_bits, tokens, hidden, weight_bits, chosen, top_k, gate_up_bits, down_bits, intermediate, out_bits);
+  experts_rows(x_bits, tokens, hidden, weight_values.data(), chosen, top_k, gate_up_bits, down_bits, intermediate,
+               out_bits);
 }
 
 bool moe_feed_forward_bf16(const py::array& hidden, const py::array& norm_weight, double eps,
@@ -432,8 +441,10 @@ bool moe_feed_forward_bf16(const py::array& hidden, const py::array& norm_weight
     if (!route_row(logits.data() + t * num_experts, num_experts, top_k, normalize, chosen.data() + t * top_k,
                    weight_bits.data() + t * top_k))
       return false;
+  std::vector<float> weight_values(tokens * top_k);
+  for (int64_t i = 0; i < tokens * top_k; ++i) weight_values[i] = bf16_bits_to_float(weight_bits[i]);
   std::vector<uint16_t> routed(tokens * hidden_size);
-  experts_rows(normed.data(), tokens, hidden_size, weight_bits.data(), chosen.data(), top_k, gate_up_bits, down_bits,
+  experts_rows(normed.data(), tokens, hidden_size, weight_values.data(), chosen.data(), top_k, gate_up_bits, down_bits,
                intermediate, routed.data());
   for (int64_t i = 0; i < tokens * hidden_size; ++i)
     out_bits[i] = bf16_round(bf16_bits_to_float(hidden_bits[i]) + bf16_bits_to_float(routed[i]));

@@ -36,10 +36,11 @@ void output_projection_bf16(const py::array& attention, const py::array& weight,
                             py::array& out);
 
 // A mixture-of-experts layer's routed experts for a decode step's tokens: x [tokens, hidden] bf16,
-// weights [tokens, top_k] bf16, experts [tokens, top_k] int64 (each in [0, num_experts)), gate_up
-// [num_experts, 2 * intermediate, hidden] bf16 (gate rows, then up rows), down [num_experts, hidden,
-// intermediate] bf16 -> out [tokens, hidden] bf16 (written): sum over slots of weight x
-// down(silu(gate) * up), rounded to bf16 where torch's bf16 ops round.
+// weights [tokens, top_k] bf16 or float32 (DeepSeek-V2 keeps its routing weights in float32),
+// experts [tokens, top_k] int64 (each in [0, num_experts)), gate_up [num_experts, 2 * intermediate,
+// hidden] bf16 (gate rows, then up rows), down [num_experts, hidden, intermediate] bf16 -> out [tokens,
+// hidden] bf16 (written): sum over slots of weight x down(silu(gate) * up), rounded to bf16 where
+// torch's bf16 ops round (a bf16 value times a float32 weight: the float32 product, rounded once).
 void moe_experts_bf16(const py::array& x, const py::array& weights, const py::array& experts,
                       const py::array& gate_up, const py::array& down, py::array& out);
 

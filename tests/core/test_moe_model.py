@@ -126,3 +126,25 @@ def test_the_absorbed_mla_query_and_output_are_the_float64_math_rounded_once(tok
     expected_out = hidden + (values.reshape(tokens, -1).double() @ o_proj.double().T).to(torch.bfloat16)
     torch.testing.assert_close(model.attention_output(0, attention, hidden), expected_out, rtol=0, atol=0)
 
+
+
+def test_a_deepseek_v2_decode_step_routes_its_float32_weights_through_the_cpu_kernel(monkeypatch):
+    """DeepSeek-V2 keeps its routing weights in float32; on a CPU its decode MoE runs the C++ routed
+    experts with them (the torch gathered path's bf16 batched matmuls were 16x slower at V2-Lite's
+    shape), to within one bf16 rounding of that path."""
+    from writescope import dense
+    from writescope.models.moe_model import _gathered_experts
+
+    config, weights, _, _ = load_model("tiny-deepseek-v2", "bfloat16")
+    model = MoEModel(config, weights)
+    layer = first_moe_layer(model)
+    x = torch.randn(2, config.hidden_size, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    calls = []
+    original = dense.routed_experts
+    monkeypatch.setattr(dense, "routed_experts", lambda *args: calls.append(args[1].dtype) or original(*args))
+    out = model._moe(layer, x)
+    assert calls == [torch.float32]
+    route_weights, experts = model._route(layer, x)
+    expected = _gathered_experts(x, route_weights, experts, *model.stacked_experts[layer]) + shared_experts(
+        model, layer, x)
+    assert (out.float() - expected.float()).abs().max() <= expected.float().abs().max() * 2.0**-7

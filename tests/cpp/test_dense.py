@@ -92,10 +92,16 @@ def experts_inputs(tokens, top_k, num_experts, hidden, intermediate, seed=0):
     return x, weights, experts, gate_up, down
 
 
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])  # float32: DeepSeek-V2's routing
 @pytest.mark.parametrize("tokens,top_k,num_experts,hidden,intermediate",
                          [(4, 2, 8, 128, 64), (1, 2, 4, 128, 128), (3, 8, 16, 64, 40), (2, 2, 4, 512, 1536)])
-def test_routed_experts_match_the_gathered_torch_path(variant, tokens, top_k, num_experts, hidden, intermediate):
+def test_routed_experts_match_the_gathered_torch_path(variant, tokens, top_k, num_experts, hidden, intermediate,
+                                                      weights_dtype):
     x, weights, experts, gate_up, down = experts_inputs(tokens, top_k, num_experts, hidden, intermediate)
+    if weights_dtype == torch.float32:  # off the bf16 grid: the products' roundings see the difference
+        weights = weights.float() * (1 + 2.0**-12)
+        as_bf16 = dense.routed_experts(x, weights.to(torch.bfloat16), experts, gate_up, down)
+        assert not torch.equal(dense.routed_experts(x, weights, experts, gate_up, down), as_bf16)
     assert dense.takes_routed_experts(x, weights, gate_up, down)
     assert_within_one_rounding(dense.routed_experts(x, weights, experts, gate_up, down),
                                _gathered_experts(x, weights, experts, gate_up, down))
@@ -161,6 +167,9 @@ def test_experts_shape_mismatches_are_refused():
         _cpu.moe_experts_bf16(bits(x), bits(weights), experts.int().numpy(), bits(gate_up), bits(down), out)
     with pytest.raises(ValueError, match="weights: dimension 0 .tokens, as in x."):
         _cpu.moe_experts_bf16(bits(x), bits(weights[:3].contiguous()), experts.numpy(), bits(gate_up), bits(down), out)
+    with pytest.raises(ValueError, match=r"weights: element type 'float64'; allowed: bf16 \(as 16-bit integers\) or "
+                                         "float32"):
+        _cpu.moe_experts_bf16(bits(x), weights.double().numpy(), experts.numpy(), bits(gate_up), bits(down), out)
 
 
 @pytest.mark.parametrize("shape", [(4, 128), (4, 4, 32), (3, 1, 32), (2, 2048), (1, 6)])
