@@ -140,7 +140,7 @@ void check_eps(double eps) {
 }
 
 
-// Routed experts of a few tokens: x [tokens, hidden] bf16, weight_bits [tokens, top_k] bf16, chosen
+// Routed experts of a few tokens: x [tokens, hidden] bf16, weights [tokens, top_k] (values), chosen
 // [tokens, top_k] (each valid), gate_up [E, 2 * intermediate, hidden], down [E, hidden, intermediate]
 // -> out [tokens, hidden] bf16. Called with the GIL released.
 void experts_rows(const uint16_t* x_bits, int64_t tokens, int64_t hidden, const float* weights,

@@ -127,7 +127,6 @@ def test_the_absorbed_mla_query_and_output_are_the_float64_math_rounded_once(tok
     torch.testing.assert_close(model.attention_output(0, attention, hidden), expected_out, rtol=0, atol=0)
 
 
-
 def test_a_deepseek_v2_decode_step_routes_its_float32_weights_through_the_cpu_kernel(monkeypatch):
     """DeepSeek-V2 keeps its routing weights in float32; on a CPU its decode MoE runs the C++ routed
     experts with them (the torch gathered path's bf16 batched matmuls were 16x slower at V2-Lite's
