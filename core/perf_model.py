@@ -15,7 +15,8 @@ the share of the shorter side hidden behind the longer when both run as the engi
     overlap 0 (the device is the CPU)  their sum, linear in r: r* is the cheaper side
     in between (CPU workers in other processes on the same cores) a kink at r_b: r* is 0, 1 or r_b.
 Where the sides mostly share the host (overlap < SHARED_BELOW), the end is the CPU side (r* = 1)
-unless the device side is cheaper by more than TIE_TOLERANCE: there the device path attends
+unless the device side is cheaper by more than TIE_TOLERANCE of its per-token work (with no
+overlap: unless B < A / (1 + TIE_TOLERANCE), whatever the fixed costs): there the device path attends
 cpu_transfer in place with the same kernel (A / B measured 0.62-1.06 across the presets on a Xeon
 host: layout and noise), and r = 1 keeps the KV on one path; the balance point replaces that end
 only when the overlap makes it cheaper by MIN_BALANCE_GAIN (CPU workers in their own processes on
@@ -90,7 +91,11 @@ class PerfModel:
         time_at = {name: self.step_time_s(r, num_tokens) for name, r in shares.items()}
         if not self.shares_host:
             return min(time_at, key=time_at.get)
-        end = "cpu" if time_at["cpu"] <= time_at["device"] * (1 + TIE_TOLERANCE) else "device"
+        # the tie is a share of the device end's per-token work, not of the layer: a load that slows both
+        # rates alike (the estimator's cross-scaling) leaves the fixed costs as they were and would
+        # otherwise use up a tolerance diluted by them, moving r* with the load
+        tie_s = TIE_TOLERANCE * num_tokens * self.transfer_s_per_token
+        end = "cpu" if time_at["cpu"] <= time_at["device"] + tie_s else "device"
         # the balance point is a minimum inside (0, 1) only where the overlap makes one: with none,
         # the layer is linear in r and the balance is never cheaper than both ends
         inside = time_at["balance"] < min(time_at["device"], time_at["cpu"])

@@ -113,6 +113,20 @@ def test_when_the_sides_share_the_cores_the_layer_costs_their_sum_and_r_star_is_
     assert PerfModel(1e-7, 1e-7).optimal_share(10_000) == 0.5  # overlapped: balanced
 
 
+@settings(max_examples=300, deadline=None)
+@given(a=rates, b=rates, c_cpu=fixed, c_gpu=fixed, num_tokens=st.integers(1, 2_000_000),
+       load=st.floats(0.2, 20))
+def test_on_a_shared_host_a_load_on_both_rates_does_not_move_the_end(a, b, c_cpu, c_gpu, num_tokens, load):
+    """With no overlap the end is the cheaper side per token, within TIE_TOLERANCE, whatever the fixed
+    costs: contention that scales both rates alike (the estimator's cross-scaling) keeps it. A
+    tolerance on the whole layer would not: fixed costs as large as the work hid A = 1.3 B from it,
+    until a load doubled the work."""
+    calm = PerfModel(a, b, c_cpu, c_gpu, overlap=0.0)
+    loaded = PerfModel(a * load, b * load, c_cpu, c_gpu, overlap=0.0)
+    expected = "cpu" if a <= b * (1 + TIE_TOLERANCE) else "device"
+    assert calm.choice(num_tokens) == loaded.choice(num_tokens) == expected
+
+
 def test_a_partial_overlap_balances_the_sides_when_hiding_pays():
     """CPU workers in other processes on the same cores: with A = B the kink at r = 0.5 costs
     1 - overlap / 2 of an end: 0.8 at overlap 0.4, 0.935 at the 0.13 measured under Ray on a 2-core
@@ -240,7 +254,7 @@ def test_previewing_the_share_does_not_steer_the_next_choice():
     """Reports (the GPU worker's state, placement) ask the policy for its share; on a shared host
     share() keeps its last choice unless a new one saves SWITCH_GAIN, so a report that called it
     would change where the next blocks go. preview_share answers the same without choosing."""
-    model = PerfModel(9.8e-8, 7.9e-8, 9.0e-5, 2.3e-4, overlap=0.0)  # device end at 16K, CPU end at 1K
+    model = PerfModel(9.8e-8, 7.9e-8, 9.0e-5, 2.3e-4, overlap=0.1)  # device end at 16K, CPU end at 1K
     assert model.shares_host and model.choice(16_000) == "device" and model.choice(1_000) == "cpu"
     steered = make_policy("writescope", model)
     steered.share(16_000)
