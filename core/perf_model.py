@@ -12,15 +12,16 @@ the share of the shorter side hidden behind the longer when both run as the engi
     layer(r) = c(r) + d(r) - overlap * min(c(r), d(r))
     overlap 1 (a GPU beside the CPU)   the max of the two: r* equalises them,
                                        r_b = (B L + C_gpu - C_cpu) / ((A + B) L), clipped to [0, 1]
-    overlap 0 (the device is the CPU)  their sum, linear in r: r* is the cheaper side
-    in between (CPU workers in other processes on the same cores) a kink at r_b: r* is 0, 1 or r_b.
+    overlap 0 (the device is the CPU)  their sum, linear in r: r* is the cheaper side (calibration
+                                       takes it as 0 there, whatever it measures: see calibration.fit)
+    in between (a device beside a loaded CPU) a kink at r_b: r* is 0, 1 or r_b.
 Where the sides mostly share the host (overlap < SHARED_BELOW), the end is the CPU side (r* = 1)
 unless the device side is cheaper by more than TIE_TOLERANCE of its per-token work (with no
 overlap: unless B < A / (1 + TIE_TOLERANCE), whatever the fixed costs): there the device path attends
 cpu_transfer in place with the same kernel (A / B measured 0.62-1.06 across the presets on a Xeon
 host: layout and noise), and r = 1 keeps the KV on one path; the balance point replaces that end
-only when the overlap makes it cheaper by MIN_BALANCE_GAIN (CPU workers in their own processes on
-the same cores: overlap 0.13 measured, the balance ~8% cheaper).
+only when the overlap makes it cheaper by MIN_BALANCE_GAIN (at overlap 0.13 the balance of equal
+sides is ~8% cheaper than an end).
 """
 
 from __future__ import annotations

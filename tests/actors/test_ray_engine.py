@@ -128,6 +128,7 @@ def test_the_policy_store_learns_from_the_workers_times(ray_cluster):
         engine.shutdown()
     assert state["policy"] == "writescope"
     assert calibrated["cpu_dispatch_s"] > 0  # a channel's round trip: outside the kernel's own seconds
+    assert calibrated["overlap"] == 0.0  # the device is this CPU: its path and the CPU workers split the cores
     assert state["model"] != calibrated  # corrected from the steps' times
     assert 0 <= state["share_at_32k"] <= 1 and state["model"]["cpu_s_per_token"] > 0
 

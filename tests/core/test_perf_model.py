@@ -128,9 +128,8 @@ def test_on_a_shared_host_a_load_on_both_rates_does_not_move_the_end(a, b, c_cpu
 
 
 def test_a_partial_overlap_balances_the_sides_when_hiding_pays():
-    """CPU workers in other processes on the same cores: with A = B the kink at r = 0.5 costs
-    1 - overlap / 2 of an end: 0.8 at overlap 0.4, 0.935 at the 0.13 measured under Ray on a 2-core
-    host (the balance, r* = 0.5); at 0.04 (noise) it saves 2%, under MIN_BALANCE_GAIN: r* = 1."""
+    """With A = B the kink at r = 0.5 costs 1 - overlap / 2 of an end: 0.8 at overlap 0.4, 0.935 at
+    0.13 (the balance, r* = 0.5); at 0.04 (noise) it saves 2%, under MIN_BALANCE_GAIN: r* = 1."""
     assert PerfModel(1e-7, 1e-7, overlap=0.4).optimal_share(100_000) == pytest.approx(0.5)
     assert PerfModel(1e-7, 1e-7, overlap=0.13).optimal_share(100_000) == pytest.approx(0.5)
     assert PerfModel(1e-7, 1e-7, overlap=0.04).optimal_share(100_000) == 1.0
@@ -233,7 +232,7 @@ def test_where_the_sides_overlap_an_unseen_side_keeps_its_rate():
 
 
 def test_on_a_shared_host_noise_does_not_flip_r_star_but_a_real_change_does():
-    """Ray's CPU workers on the same cores: overlap 0.13, the balance ~6% cheaper than the CPU end.
+    """A partly shared host: overlap 0.13, the balance ~6% cheaper than the CPU end.
     Estimates that wander by a few percent leave the choice where it is; a CPU made 2x slower
     (the balance then costs far more than the device end) moves it."""
     policy = make_policy("writescope", PerfModel(1e-7, 1e-7, 1e-5, 1e-5, overlap=0.13))
