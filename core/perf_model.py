@@ -92,9 +92,9 @@ class PerfModel:
         time_at = {name: self.step_time_s(r, num_tokens) for name, r in shares.items()}
         if not self.shares_host:
             return min(time_at, key=time_at.get)
-        # the tie is a share of the device end's per-token work, not of the layer: a load that slows both
-        # rates alike (the estimator's cross-scaling) leaves the fixed costs as they were and would
-        # otherwise use up a tolerance diluted by them, moving r* with the load
+        # the tie is a share of the device end's per-token work, not of the layer: a share of the layer
+        # grows with the fixed costs, so a load that slows both rates alike (the estimator's
+        # cross-scaling) but not the fixed costs would shrink it and move r* with the load
         tie_s = TIE_TOLERANCE * num_tokens * self.transfer_s_per_token
         end = "cpu" if time_at["cpu"] <= time_at["device"] + tie_s else "device"
         # the balance point is a minimum inside (0, 1) only where the overlap makes one: with none,
