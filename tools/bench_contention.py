@@ -3,8 +3,8 @@ placement stay right?
 
 The engine decodes under the writescope policy (calibrated on this host) while, at a given step,
 a second process starts loading the machine: `--hog memory` streams memory on the CPU (the
-CPU-only host's case: the CPU partial slows; r* should stay 1, since the device side is the same
-CPU and is slowed just as much); `--hog h2d` copies host to device in a loop (a GPU host: the
+CPU-only host's case: the side attending the spilled KV slows; r* should stay at the end
+calibration chose, since the other side is the same CPU and is slowed just as much); `--hog h2d` copies host to device in a loop (a GPU host: the
 link slows, r* should rise). Every step's per-layer measurements (what the policy is fed), the
 model's estimate and r*, and where new blocks landed are recorded. The hog is started and paused
 before the run, so that it loads the machine from the chosen step, not after its start-up.
@@ -84,14 +84,17 @@ class RecordingPolicy(WriteScopePolicy):
         super().observe_step(cpu_tokens, cpu_s, transfer_tokens, transfer_s)
 
     def end_step(self):
-        predicted = [self.model.cpu_time_s(1.0, c) for c, *_ in self._layers if c]  # before this step's update
+        # the predictions the step was made with, before its update
+        cpu_predicted = [self.model.cpu_time_s(1.0, c) for c, *_ in self._layers if c]
+        device_predicted = [self.model.gpu_time_s(0.0, t) for *_, t, _ in self._layers if t]
         super().end_step()
         cpu = [(c, s) for c, s, *_ in self._layers if c]
         device = [(t, s) for *_, t, s in self._layers if t]
         self.steps.append({
             "cpu_layer_s": statistics.mean(s for _, s in cpu) if cpu else None,
-            "cpu_predicted_s": statistics.mean(predicted) if predicted else None,
+            "cpu_predicted_s": statistics.mean(cpu_predicted) if cpu_predicted else None,
             "device_layer_s": statistics.mean(s for _, s in device) if device else None,
+            "device_predicted_s": statistics.mean(device_predicted) if device_predicted else None,
             "cpu_s_per_token": self.model.cpu_s_per_token, "transfer_s_per_token": self.model.transfer_s_per_token})
         self._layers = []
 
@@ -132,22 +135,32 @@ def run(args) -> dict:
     return summarise(policy.steps[: args.steps], shares, placed, step_s, calibrated, args)
 
 
+def measured_side(steps) -> str:
+    """The side whose per-layer times the summary follows: the CPU partial where it attends KV
+    (r* > 0 on a GPU host, or the CPU end of a CPU-only one), else the device path (the device end)."""
+    return "cpu" if any(s["cpu_layer_s"] for s in steps) else "device"
+
+
 def summarise(steps, shares, placed, step_s, calibrated, args) -> dict:
-    """The measured slowdown, and how many steps after the hog's start the estimate followed it."""
+    """The measured slowdown of the side that attends the spilled KV, and how many steps after the
+    hog's start the estimate followed it."""
     at = args.hog_step
-    measured_before = statistics.median(s["cpu_layer_s"] for s in steps[2:at] if s["cpu_layer_s"])
-    measured_during = statistics.median(s["cpu_layer_s"] for s in steps[at + 10:] if s["cpu_layer_s"])
+    side = measured_side(steps)
+    layer, predicted, rate = (f"{side}_layer_s", f"{side}_predicted_s",
+                              "cpu_s_per_token" if side == "cpu" else "transfer_s_per_token")
+    measured_before = statistics.median(s[layer] for s in steps[2:at] if s[layer])
+    measured_during = statistics.median(s[layer] for s in steps[at + 10:] if s[layer])
     follows = None
     for index, s in enumerate(steps[at:], start=1):  # the prediction the step was made with vs the truth since
-        if s["cpu_predicted_s"] and abs(s["cpu_predicted_s"] - measured_during) <= 0.1 * measured_during:
+        if s[predicted] and abs(s[predicted] - measured_during) <= 0.1 * measured_during:
             follows = index
             break
     spilled_end = placed[-1]["cpu_compute"] + placed[-1]["cpu_transfer"]
     return {
-        "host": host_info(), "args": vars(args), "calibrated": vars(calibrated),
-        "cpu_layer_ms_before": measured_before * 1e3, "cpu_layer_ms_during": measured_during * 1e3,
+        "host": host_info(), "args": vars(args), "calibrated": vars(calibrated), "measured_side": side,
+        "layer_ms_before": measured_before * 1e3, "layer_ms_during": measured_during * 1e3,
         "measured_slowdown": measured_during / measured_before,
-        "estimate_slowdown": steps[-1]["cpu_s_per_token"] / steps[at - 1]["cpu_s_per_token"],
+        "estimate_slowdown": steps[-1][rate] / steps[at - 1][rate],
         "steps_until_the_estimate_follows": follows,
         "share_before": shares[at - 1], "share_min_during": min(shares[at:]), "share_max_during": max(shares[at:]),
         "placed_before": placed[at - 1], "placed_end": placed[-1],
@@ -183,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     result = run(args)
-    keys = ("cpu_layer_ms_before", "cpu_layer_ms_during", "measured_slowdown", "estimate_slowdown",
+    keys = ("measured_side", "layer_ms_before", "layer_ms_during", "measured_slowdown", "estimate_slowdown",
             "steps_until_the_estimate_follows", "share_before", "share_min_during", "share_max_during",
             "placed_before", "placed_end", "step_ms_before", "step_ms_during")
     for key in keys:
