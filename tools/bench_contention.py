@@ -4,10 +4,11 @@ placement stay right?
 The engine decodes under the writescope policy (calibrated on this host) while, at a given step,
 a second process starts loading the machine: `--hog memory` streams memory on the CPU (the
 CPU-only host's case: the side attending the spilled KV slows; r* should stay at the end
-calibration chose, since the other side is the same CPU and is slowed just as much); `--hog h2d` copies host to device in a loop (a GPU host: the
-link slows, r* should rise). Every step's per-layer measurements (what the policy is fed), the
-model's estimate and r*, and where new blocks landed are recorded. The hog is started and paused
-before the run, so that it loads the machine from the chosen step, not after its start-up.
+calibration chose, since the other side is the same CPU and is slowed just as much); `--hog h2d`
+copies host to device in a loop (a GPU host: the link slows, r* should rise). Every step's
+per-layer measurements (what the policy is fed), the model's estimate and r*, and where new blocks
+landed are recorded. The hog is started and paused before the run, so that it loads the machine
+from the chosen step, not after its start-up.
 
     python tools/bench_contention.py --out bench_results/contention_cpu.json
     python tools/bench_contention.py --device cuda --hog h2d --out "$OUT/contention_h2d.json"
