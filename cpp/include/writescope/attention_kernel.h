@@ -115,34 +115,35 @@ struct ScratchHead {
   }
 };
 
-// The next tile's rows, asked for a few lines at a time from inside the tile products (see the
-// paired kernel's Prefetcher: spread out, the requests stay in flight while the tile computes).
+// The next tile's rows, asked for a few rows at a time from inside the tile products (see the
+// paired kernel's Prefetcher: spread out, the requests stay in flight while the tile computes). A
+// step asks for whole rows, each a run of lines from one pointer: a walk line by line kept its row
+// and offset in memory across the lines (the loops around it hold every register), about 12
+// instructions and a store-to-load round trip a line; measured on a 2-vCPU Zen 3 (MLA, one thread,
+// 4K in L3), 6.6% of the kernel's samples.
 // Loops copy it into a local so its fields live in registers.
 struct RowPrefetcher {
   const char* const* rows = nullptr;  // K row, V row of each token (V null when it is inside K)
-  int64_t num_rows = 0, row = 0, offset = 0, k_bytes = 0, v_bytes = 0;
-  int64_t lines_per_step = 4, steps = 0;
-  void reset(int64_t count, int64_t total_lines) {
-    lines_per_step = steps > 0 ? (total_lines + steps - 1) / steps : 4;
+  int64_t num_rows = 0, row = 0, k_bytes = 0, v_bytes = 0;
+  int64_t rows_per_step = 8, steps = 0;
+  // The next `count` tokens' rows, spread over as many steps as this tile took.
+  void reset(int64_t count) {
     num_rows = 2 * count;
-    row = offset = steps = 0;
+    rows_per_step = steps > 0 ? (num_rows + steps - 1) / steps : 8;
+    row = steps = 0;
   }
   WS_INLINE void step() {
     ++steps;
-    for (int64_t i = 0; i < lines_per_step && row < num_rows; ++i) {
-      const int64_t bytes = (row & 1) ? v_bytes : k_bytes;
-      if (rows[row] == nullptr || offset >= bytes) {
-        offset = 0;
-        ++row;
-        continue;
-      }
-      __builtin_prefetch(rows[row] + offset, 0, 2);
-      offset += 64;
-    }
+    const int64_t end = num_rows - row < rows_per_step ? num_rows : row + rows_per_step;
+    for (; row < end; ++row) ask_for_row(rows[row], (row & 1) ? v_bytes : k_bytes);
+  }
+  static WS_INLINE void ask_for_row(const char* first, int64_t bytes) {
+    if (first == nullptr) return;
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(first + offset, 0, 2);
   }
   void finish() {
     const int64_t steps_taken = steps;
-    lines_per_step = int64_t{1} << 40;
+    rows_per_step = num_rows;
     step();
     steps = steps_taken;
   }
@@ -558,7 +559,7 @@ struct ItemKernel {
     prefetch.v_bytes = v_in_k ? 0 : dim_v * static_cast<int64_t>(sizeof(T));
     int64_t ahead = end - begin - count;
     if (ahead == 0 && !amx) ahead = next_item_rows(item.next, v_in_k);  // AMX: not measured (no host)
-    prefetch.reset(ahead, ahead * ((prefetch.k_bytes + 63) / 64 + (prefetch.v_bytes + 63) / 64));
+    prefetch.reset(ahead);
     for (int64_t t = 0; begin + t < end; ++t) {
       const int64_t physical = table[block];
       const T* k_row = k_base + physical * a.k_block_stride + offset * a.k_token_stride;
