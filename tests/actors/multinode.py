@@ -19,6 +19,8 @@ import time
 MODEL_ARGS = {"model": "tiny-qwen3-moe", "policy": "all_cpu", "max_seq_len": 1024, "max_batch_size": 4,
               "engine_cpus": 2}
 WORKER_CPUS = 2
+STREAM_TOKENS = 900  # long enough to be in flight when its node goes
+IN_FLIGHT_MARGIN = 100  # tokens a stream must still have to come to count as in flight at the loss
 
 
 def start_cluster():
@@ -105,15 +107,25 @@ def serve_app(workdir: str) -> dict:
         streams = [Stream(requests, base, i, NODE_HEADER) for i in range(6)]
         for stream in streams:
             stream.started.wait(timeout=120)
-        doomed = next(w for w in workers if any(s.node == w.node_id for s in streams))
+        # The node lost is that of the stream furthest from its end: a stream that began first may have
+        # finished while the last one waited for its first token (seen once on a slow 2-vCPU host).
+        # Streams with a margin of tokens left are the ones in flight at the loss.
+        tokens_at_loss = {id(s): s.tokens for s in streams}
+        in_flight = [s for s in streams if s.is_alive() and tokens_at_loss[id(s)] <= STREAM_TOKENS - IN_FLIGHT_MARGIN]
+        if not in_flight:
+            raise RuntimeError("no stream in flight to lose a node under: tokens so far "
+                               f"{sorted(tokens_at_loss.values())}")
+        furthest = min(in_flight, key=lambda s: tokens_at_loss[id(s)])
+        doomed = next(w for w in workers if w.node_id == furthest.node)
         removed_at = time.monotonic()
         cluster.remove_node(doomed, allow_graceful=False)  # lost: killed at once (a graceful stop let its stream end)
         result["removed"] = doomed.node_id
         result["after"] = answers_after_loss(requests, base, NODE_HEADER, removed_at)  # while the streams run
         for stream in streams:
             stream.join(timeout=180)
-        result["streams"] = [{"node": s.node, "ended": not s.is_alive(), "outcome": s.outcome,
-                              "tokens": s.tokens} for s in streams]
+        result["streams"] = [{"node": s.node, "ended": not s.is_alive(), "outcome": s.outcome, "tokens": s.tokens,
+                              "in_flight_at_loss": s in in_flight, "tokens_at_loss": tokens_at_loss[id(s)]}
+                             for s in streams]
         returned = cluster.add_node(num_cpus=WORKER_CPUS)  # capacity comes back: Serve places a new replica
         result["returned"] = returned.node_id
         kept = next(w for w in workers if w is not doomed)
@@ -170,7 +182,7 @@ class Stream(threading.Thread):
 
     def run(self):
         body = {"model": "tiny-qwen3-moe", "prompt": f"stream {self.index}: " + "context " * 5,
-                "max_tokens": 900, "temperature": 0, "stream": True, "ignore_eos": True}
+                "max_tokens": STREAM_TOKENS, "temperature": 0, "stream": True, "ignore_eos": True}
         try:
             with self.requests.post(f"{self.base}/v1/completions", json=body, timeout=120, stream=True) as response:
                 self.node = response.headers.get(self.header)
