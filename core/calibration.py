@@ -274,19 +274,28 @@ def interleaved_median_s(fns, repeats: int, warmup: int = 1, before_each=None) -
     return [statistics.median(samples) for samples in times]
 
 
-def last_level_cache_bytes() -> int | None:
-    """The largest CPU cache's size in bytes as /sys lists it for CPU 0, or None where it does not."""
-    sizes = []
+def cache_bytes_by_level() -> dict[int, int]:
+    """CPU 0's caches as /sys lists them: level -> the largest cache of that level in bytes (the L1
+    data and instruction caches share level 1); empty where /sys does not list them."""
+    sizes: dict[int, int] = {}
     root = "/sys/devices/system/cpu/cpu0/cache"
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     try:
         for index in (name for name in os.listdir(root) if name.startswith("index")):
+            with open(os.path.join(root, index, "level")) as f:
+                level = int(f.read().strip())
             with open(os.path.join(root, index, "size")) as f:
                 text = f.read().strip()
-            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+            size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+            sizes[level] = max(size, sizes.get(level, 0))
     except (OSError, ValueError):
-        return None
-    return max(sizes, default=None)
+        return {}
+    return sizes
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache's size in bytes as /sys lists it for CPU 0, or None where it does not."""
+    return max(cache_bytes_by_level().values(), default=None)
 
 
 def _cache_evictor():

@@ -74,20 +74,8 @@ def build(compiler: str | None = None) -> str:
 
 
 def l2_bytes() -> int:
-    """CPU 0's level-2 cache as /sys lists it; 512 KiB where it does not."""
-    root = "/sys/devices/system/cpu/cpu0/cache"
-    units = {"K": 1 << 10, "M": 1 << 20}
-    try:
-        for index in sorted(os.listdir(root)):
-            with open(os.path.join(root, index, "level")) as f:
-                if f.read().strip() != "2":
-                    continue
-            with open(os.path.join(root, index, "size")) as f:
-                text = f.read().strip()
-            return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
-    except (OSError, ValueError):
-        pass
-    return 512 << 10
+    """CPU 0's level-2 cache; 512 KiB where /sys does not list it."""
+    return calibration.cache_bytes_by_level().get(2, 512 << 10)
 
 
 def run_loops(executable: str, rounds: int, calls: int, l2_regions: int) -> dict:

@@ -43,8 +43,8 @@ inline __m256 odd_of(__m256i w) {
 }
 inline __m256i load_words(const uint16_t* p) { return _mm256_load_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// Accumulators a (token vector 0) and b (token vector 1) of head g, each a chain of two FMAs a pair.
-#define HEAD_STEP(g, a, b, qe, qo)                                          \
+// Accumulators a (token vector 0) and b (token vector 1) of one head, each a chain of two FMAs a pair.
+#define HEAD_STEP(a, b, qe, qo)                                          \
   {                                                                        \
     a = _mm256_fmadd_ps(qo, o0, _mm256_fmadd_ps(qe, e0, a));               \
     b = _mm256_fmadd_ps(qo, o1, _mm256_fmadd_ps(qe, e1, b));               \
@@ -64,10 +64,10 @@ __attribute__((noinline)) void kernel_loop(const uint16_t* k) {
     __m256i w0 = load_words(k), w1 = load_words(k + 16);
     if constexpr (kLoadOnce) asm("" : "+x"(w0), "+x"(w1));
     const __m256 e0 = even_of(w0), o0 = odd_of(w0), e1 = even_of(w1), o1 = odd_of(w1);
-    HEAD_STEP(0, a0, a1, _mm256_broadcast_ss(q + 0), _mm256_broadcast_ss(q + 1))
-    HEAD_STEP(1, a2, a3, _mm256_broadcast_ss(q + 2), _mm256_broadcast_ss(q + 3))
-    HEAD_STEP(2, a4, a5, _mm256_broadcast_ss(q + 4), _mm256_broadcast_ss(q + 5))
-    HEAD_STEP(3, a6, a7, _mm256_broadcast_ss(q + 6), _mm256_broadcast_ss(q + 7))
+    HEAD_STEP(a0, a1, _mm256_broadcast_ss(q + 0), _mm256_broadcast_ss(q + 1))
+    HEAD_STEP(a2, a3, _mm256_broadcast_ss(q + 2), _mm256_broadcast_ss(q + 3))
+    HEAD_STEP(a4, a5, _mm256_broadcast_ss(q + 4), _mm256_broadcast_ss(q + 5))
+    HEAD_STEP(a6, a7, _mm256_broadcast_ss(q + 6), _mm256_broadcast_ss(q + 7))
   }
   STORE_4X2()
 }

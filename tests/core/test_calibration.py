@@ -162,6 +162,16 @@ def test_each_timed_call_follows_an_untimed_cache_eviction():
     assert llc is None or llc >= 1 << 20  # this host's /sys lists its caches: the largest is MiBs
 
 
+def test_cache_sizes_by_level_grow_with_the_level_and_the_last_is_the_largest():
+    levels = calibration.cache_bytes_by_level()
+    if not levels:
+        assert calibration.last_level_cache_bytes() is None
+        return
+    sizes = [levels[level] for level in sorted(levels)]
+    assert sizes == sorted(sizes) and sizes[0] >= 16 << 10  # L1 of at least 16 KiB, each level larger
+    assert calibration.last_level_cache_bytes() == max(sizes)
+
+
 def test_the_drift_is_the_measured_side_ratio_over_the_fits():
     model = PerfModel(cpu_s_per_token=1e-8, transfer_s_per_token=4e-8, cpu_fixed_s=1e-4, gpu_fixed_s=2e-4)
     timing = {"cpu_tokens": 10_000, "device_tokens": 10_000, "cpu_s": 4e-4, "device_s": 3e-4}
