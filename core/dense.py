@@ -31,10 +31,8 @@ use_cpu_kernels = True
 use_fused_layers = True
 
 
-def _cpu():
-    from writescope import _cpu
-
-    return _cpu
+# The extension, imported on first use (ops keeps the one cached lookup).
+_cpu = ops._cpu_module
 
 
 def _bits(t):

@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--preset", default="tiny-qwen3-moe", choices=list(PRESETS), help="model preset")
     parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768], help="prompt tokens")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4], help="batch sizes")
-    parser.add_argument("--new-tokens", type=int, default=16, help="tokens generated per sequence")
+    # 64: the medians are over the decode steps after the warm-up; with 16 (14 steps) one slow stretch
+    # of a shared host moved a row's kernel share by 0.05 (Ray, 4 x 32K, Zen 4: 0.76-0.79, then 0.81
+    # with 64).
+    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights and KV dtype")
     parser.add_argument("--policies", nargs="+", default=list(POLICY_NAMES), type=policy_argument,
                         help="policies: the named ones, or share:R")
