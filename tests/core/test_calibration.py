@@ -59,10 +59,14 @@ def test_calibration_times_both_sides_at_each_length_and_fits_them(engine, cache
     assert engine.policy.name == "all_cpu" and engine.cache.policy is engine.policy  # placement restored
 
 
-def test_calibration_is_cached_per_machine_and_setup_and_forced_again(engine, cache_dir):
+def test_calibration_is_cached_per_machine_and_setup_and_forced_again(engine, cache_dir, monkeypatch):
+    """The check of a cached fit is given the fit's own timing at the longest length, as in the test
+    below: on a shared host two measurements seconds apart once put the sides' ratio 0.66x apart
+    (a fresh-clone run, 2026-12-04), which re-measured the fit this test reads back."""
     engine.calibrate(lengths=LENGTHS)
     entries = stored(cache_dir)
     (key,) = entries
+    monkeypatch.setattr(calibration, "recheck", lambda *args: entries[key]["timings"][-1])
     assert key.startswith(calibration.machine_fingerprint("cpu")) and '"batch": 2' in key
     assert '"cpu_partial": "LocalCPUPartial"' in key
     edited = entries[key]["model"]["cpu_s_per_token"] * 1.05  # within what the check allows
