@@ -11,6 +11,11 @@ first build's.
 
     git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python setup.py build_ext --inplace)
     python tools/bench_cpu_ab.py --builds /tmp/before/core/_cpu*.so core/_cpu*.so --shape mixtral
+
+With --variants, each build runs once per ISA variant (its file copied for each, so each copy keeps
+its own selected variant): one build's variants against each other, in turns.
+
+    python tools/bench_cpu_ab.py --builds core/_cpu*.so --variants avx2 avx512 avx512bf16
 """
 
 from __future__ import annotations
@@ -19,8 +24,10 @@ import argparse
 import importlib.util
 import logging
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -40,6 +47,21 @@ def load_build(path: str, index: int):
     spec = importlib.util.spec_from_file_location(f"writescope_build_{index}._cpu", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def load_variant(path: str, index: int, variant: str, workdir: str):
+    """The build in `path` with ISA variant `variant` selected, from a copy of its own (a file loaded
+    twice is one library, whose selected variant the two would share)."""
+    if not os.path.isfile(path):
+        raise ValueError(f"--builds: {path!r} is not a file (give built _cpu*.so extension files)")
+    copy = os.path.join(workdir, f"{index}_{os.path.basename(path)}")
+    shutil.copy(path, copy)
+    module = load_build(copy, index)
+    if variant not in module.available_variants():
+        raise ValueError(f"--variants: {variant!r} does not run on this CPU with {path!r}; it runs "
+                         f"{', '.join(module.available_variants())}")
+    module.set_variant(variant)
     return module
 
 
@@ -80,12 +102,13 @@ def measure(builds, shape, seq_len: int, cold_bytes: int, rounds: int) -> list[l
     return times
 
 
-def summarize(paths: list[str], times: list[list[float]], shape, seq_len: int) -> list[dict]:
+def summarize(paths: list[str], builds, times: list[list[float]], shape, seq_len: int) -> list[dict]:
     first = statistics.median(times[0])
     rows = []
-    for path, seconds in zip(paths, times, strict=True):
+    for path, build, seconds in zip(paths, builds, times, strict=True):
         median = statistics.median(seconds)
-        rows.append({"build": path, "shape": shape.name, "seq_len": seq_len, "calls": len(seconds),
+        rows.append({"build": path, "variant": getattr(build, "__cpu_variant__", "?"), "shape": shape.name,
+                     "seq_len": seq_len, "calls": len(seconds),
                      "median_ms": median * 1e3, "p10_ms": sorted(seconds)[len(seconds) // 10] * 1e3,
                      "kv_gbps": kv_bytes(shape, seq_len) / median / 1e9, "speedup_vs_first": first / median})
     return rows
@@ -98,6 +121,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--seq-len", type=int, default=32768, help="tokens (a multiple of 16)")
     parser.add_argument("--cold-mib", type=int, default=1024, help="MiB read between two reads of the same KV")
     parser.add_argument("--rounds", type=int, default=6, help="turns of every build")
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="ISA variants to run each build with (default: each build's own best)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args(argv)
     check_positive(parser, args, ("seq_len", "rounds"))
@@ -106,19 +131,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.cold_mib < 0:
         parser.error(f"--cold-mib must be >= 0, got {args.cold_mib}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        builds = [load_build(path, i) for i, path in enumerate(args.builds)]
-    except ValueError as error:
-        parser.error(str(error))
-    variants = {getattr(b, "__cpu_variant__", "?") for b in builds}
-    shape = {s.name: s for s in SHAPES}[args.shape]
-    torch.manual_seed(0)
-    times = measure(builds, shape, args.seq_len, args.cold_mib << 20, args.rounds)
-    rows = summarize(args.builds, times, shape, args.seq_len)
+    with tempfile.TemporaryDirectory() as workdir:
+        try:
+            if args.variants:
+                pairs = [(path, variant) for path in args.builds for variant in args.variants]
+                builds = [load_variant(path, i, variant, workdir) for i, (path, variant) in enumerate(pairs)]
+                paths = [path for path, _ in pairs]
+            else:
+                builds = [load_build(path, i) for i, path in enumerate(args.builds)]
+                paths = args.builds
+        except ValueError as error:
+            parser.error(str(error))
+        shape = {s.name: s for s in SHAPES}[args.shape]
+        torch.manual_seed(0)
+        times = measure(builds, shape, args.seq_len, args.cold_mib << 20, args.rounds)
+    rows = summarize(paths, builds, times, shape, args.seq_len)
     for row in rows:
-        log.info("%s L=%d %s: median %.3f ms, p10 %.3f ms, %.1f GB/s, %.2fx the first (variant %s)", row["shape"],
-                 row["seq_len"], row["build"], row["median_ms"], row["p10_ms"], row["kv_gbps"],
-                 row["speedup_vs_first"], "/".join(sorted(variants)))
+        log.info("%s L=%d %s (variant %s): median %.3f ms, p10 %.3f ms, %.1f GB/s, %.2fx the first", row["shape"],
+                 row["seq_len"], row["build"], row["variant"], row["median_ms"], row["p10_ms"], row["kv_gbps"],
+                 row["speedup_vs_first"])
     if args.out:
         write_json(args.out, {"rows": rows, "rounds": args.rounds, "cold_mib": args.cold_mib})
     return rows

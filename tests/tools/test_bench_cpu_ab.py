@@ -34,6 +34,32 @@ def test_builds_take_turns_and_are_compared_to_the_first(two_builds, tmp_path):
     assert json.loads(out.read_text())["rows"] == rows
 
 
+def test_one_build_runs_once_per_variant_each_with_its_own(two_builds):
+    variants = _cpu.available_variants()[-2:]  # the two lowest this CPU runs (scalar and one more, or scalar)
+    rows = bench_cpu_ab.main(["--builds", two_builds[0], "--variants", *variants, "--shape", "qwen3-moe",
+                              "--seq-len", "256", "--cold-mib", "1", "--rounds", "1"])
+    assert [row["variant"] for row in rows] == variants  # each copy kept the variant it was given
+    assert all(row["build"] == two_builds[0] for row in rows)
+
+
+def test_each_copy_runs_the_variant_it_was_given(two_builds, tmp_path):
+    """Two copies of one build, one set to scalar and one to this CPU's best variant: each keeps its
+    own (one library loaded twice would share the selection), seen in their FMA peaks."""
+    best = _cpu.available_variants()[0]
+    if best == "scalar":
+        pytest.skip("this CPU runs the scalar variant only")
+    scalar = bench_cpu_ab.load_variant(two_builds[0], 0, "scalar", str(tmp_path))
+    simd = bench_cpu_ab.load_variant(two_builds[0], 1, best, str(tmp_path))
+    assert max(simd.fma_peak(200_000, 3)) > 2 * max(scalar.fma_peak(200_000, 3))
+    assert (scalar.__cpu_variant__, simd.__cpu_variant__) == ("scalar", best)
+
+
+def test_a_variant_this_cpu_does_not_run_is_refused_by_name(two_builds, capsys):
+    with pytest.raises(SystemExit):
+        bench_cpu_ab.main(["--builds", two_builds[0], "--variants", "no-such-isa"])
+    assert "'no-such-isa' does not run on this CPU" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--builds", "/nonexistent/_cpu.so"], "is not a file"),
     (["--builds", "x", "--seq-len", "100"], "multiple of the block size"),
