@@ -1,5 +1,6 @@
 """Builds the C++ extension writescope._cpu; everything else is declared in pyproject.toml."""
 
+import glob
 import platform
 
 from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
@@ -26,6 +27,8 @@ extension = Pybind11Extension(
     "writescope._cpu",
     sorted(CPP_SOURCES),
     include_dirs=["cpp/include"],
+    # The kernels live in headers: an edited header alone must rebuild the extension too.
+    depends=sorted(glob.glob("cpp/include/writescope/*.h") + glob.glob("cpp/src/*.h")),
     cxx_std=17,
     extra_compile_args=["-O3", "-fno-math-errno", "-Wall", "-Wextra"],
     extra_link_args=["-pthread"],
