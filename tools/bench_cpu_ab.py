@@ -1,27 +1,33 @@
-"""Two (or more) builds of the CPU kernel against each other, interleaved in one process.
+"""Builds, ISA variants and KV layouts of the CPU kernel against each other, interleaved in one process.
 
 On a shared host the machine's speed drifts by tens of percent within a minute, so two benchmark
 runs minutes apart cannot tell a 10% change from the drift. This loads every given build of the
 extension side by side (each a `_cpu*.so` file: this checkout's, and one built from another commit)
-and times them in turns on the same inputs: each round runs every build on the next cold copies of
-the KV (as `bench_cpu_attention.py` lays them out: at least --cold-mib between two reads of the same
-bytes), so a drift falls on all builds alike. Every build's result is checked against the float32
-torch reference first. Reports each build's median and 10th percentile, and each median over the
-first build's.
+and times them in turns on the same inputs: each round runs every contestant on the next cold copies
+of the KV (as `bench_cpu_attention.py` lays them out: at least --cold-mib between two reads of the
+same bytes), so a drift falls on all alike. Every contestant's result is checked against the float32
+torch reference first. Reports each one's median wall time and 10th percentile, the median of the
+kernel's own seconds (its return value: no Python), and each median over the first contestant's.
 
     git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python setup.py build_ext --inplace)
     python tools/bench_cpu_ab.py --builds /tmp/before/core/_cpu*.so core/_cpu*.so --shape mixtral
 
-With --variants, each build runs once per ISA variant (its file copied for each, so each copy keeps
-its own selected variant): one build's variants against each other, in turns.
+The contestants are every combination of --builds, --variants (each build's file copied per variant,
+so each copy keeps its own selection), --block-sizes, --run-blocks (a sequence's blocks in runs of
+that many consecutive physical ids, the runs shuffled) and --chunk-tokens (the work item), in that
+order; --threads sets every build's pool. For example one build's variants, or one build on two
+layouts:
 
     python tools/bench_cpu_ab.py --builds core/_cpu*.so --variants avx2 avx512 avx512bf16
+    python tools/bench_cpu_ab.py --builds core/_cpu*.so --block-sizes 16 64 --run-blocks 16 2048
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
+import itertools
 import logging
 import os
 import shutil
@@ -65,91 +71,150 @@ def load_variant(path: str, index: int, variant: str, workdir: str):
     return module
 
 
-def call(module, q, source: ops.KVSource, scale: float, out, lse) -> None:
-    # q [1, num_q_heads, head_dim_qk]; out [1, num_q_heads, head_dim_v]; lse [1, num_q_heads]
-    module.paged_attention(ops._as_numpy(q), ops._as_numpy(source.k_cache), ops._as_numpy(source.v_cache),
-                           ops._as_numpy(source.block_table), ops._as_numpy(source.seq_lens), out.numpy(),
-                           lse.numpy(), q_dtype="bfloat16", kv_dtype="bfloat16", layout=source.layout, scale=scale)
+@dataclasses.dataclass(frozen=True)
+class Contestant:
+    """One combination the run times: a build (with a variant, None: its own best) on one KV layout."""
+
+    build: str
+    variant: str | None
+    block_size: int
+    run_blocks: int
+    chunk_tokens: int | None  # None: the kernel sizes its work items itself
 
 
-def measure(builds, shape, seq_len: int, cold_bytes: int, rounds: int) -> list[list[float]]:
-    """Seconds of every call, per build, the builds taking turns round by round."""
+def call(module, q, source: ops.KVSource, scale: float, out, lse, chunk_tokens: int | None = None) -> float:
+    """One kernel call; returns the kernel's own seconds.
+    q [1, num_q_heads, head_dim_qk]; out [1, num_q_heads, head_dim_v]; lse [1, num_q_heads]"""
+    return module.paged_attention(ops._as_numpy(q), ops._as_numpy(source.k_cache), ops._as_numpy(source.v_cache),
+                                  ops._as_numpy(source.block_table), ops._as_numpy(source.seq_lens), out.numpy(),
+                                  lse.numpy(), q_dtype="bfloat16", kv_dtype="bfloat16", layout=source.layout,
+                                  scale=scale, chunk_tokens=chunk_tokens)
+
+
+def measure(contestants: list[Contestant], modules: list, shape, seq_len: int, cold_bytes: int,
+            rounds: int) -> list[tuple[list[float], list[float]]]:
+    """(wall seconds, kernel seconds) of every call, per contestant, taking turns round by round."""
     q, k, v = make_inputs(shape, seq_len)
     scale = shape.head_dim_qk**-0.5
     num_copies = copies_for(shape, seq_len, cold_bytes)
-    sources = [cache_source(shape, k, v, torch.Generator().manual_seed(i), 16) for i in range(num_copies)]
+    layouts = dict.fromkeys((c.block_size, c.run_blocks) for c in contestants)
+    sources = {(block_size, run_blocks): [cache_source(shape, k, v, torch.Generator().manual_seed(i), run_blocks,
+                                                       block_size) for i in range(num_copies)]
+               for block_size, run_blocks in layouts}
     out = torch.empty((1, shape.num_q_heads, shape.head_dim_v))
     lse = torch.empty((1, shape.num_q_heads))
     ref_out, ref_lse = ops.partial_attention(q, k, v, scale=scale, backend="torch")
-    for module in builds:
-        call(module, q[None], sources[0], scale, out, lse)
+    for contestant, module in zip(contestants, modules, strict=True):
+        call(module, q[None], sources[contestant.block_size, contestant.run_blocks][0], scale, out, lse,
+             contestant.chunk_tokens)
         # a build on its bf16-dot path rounds the probabilities to bf16 (see ops.cpu_rounds_probabilities)
         rounds_probabilities = getattr(module, "uses_bf16_dot", lambda: False)()
         rounding = reference.probability_rounding_atol(v) if rounds_probabilities else 0.0
         torch.testing.assert_close(out[0], ref_out, atol=2e-5 + rounding, rtol=1e-4)
         torch.testing.assert_close(lse[0], ref_lse, atol=2e-5, rtol=1e-5)
     calls_per_turn = max(3, num_copies)
-    times = [[] for _ in builds]
+    times = [([], []) for _ in contestants]
     turn = 0
     for _ in range(rounds):
-        for module, seconds in zip(builds, times, strict=True):
+        for contestant, module, (walls, kernels) in zip(contestants, modules, times, strict=True):
+            copies = sources[contestant.block_size, contestant.run_blocks]
             for _ in range(calls_per_turn):
-                source = sources[turn % num_copies]
+                source = copies[turn % num_copies]
                 turn += 1
                 began = time.perf_counter()
-                call(module, q[None], source, scale, out, lse)
-                seconds.append(time.perf_counter() - began)
+                kernels.append(call(module, q[None], source, scale, out, lse, contestant.chunk_tokens))
+                walls.append(time.perf_counter() - began)
     return times
 
 
-def summarize(paths: list[str], builds, times: list[list[float]], shape, seq_len: int) -> list[dict]:
-    first = statistics.median(times[0])
+def summarize(contestants: list[Contestant], modules: list, times, shape, seq_len: int,
+              threads: int | None) -> list[dict]:
+    first = statistics.median(times[0][0])
     rows = []
-    for path, build, seconds in zip(paths, builds, times, strict=True):
-        median = statistics.median(seconds)
-        rows.append({"build": path, "variant": getattr(build, "__cpu_variant__", "?"), "shape": shape.name,
-                     "seq_len": seq_len, "calls": len(seconds),
-                     "median_ms": median * 1e3, "p10_ms": sorted(seconds)[len(seconds) // 10] * 1e3,
+    for contestant, module, (walls, kernels) in zip(contestants, modules, times, strict=True):
+        median = statistics.median(walls)
+        rows.append({"build": contestant.build, "variant": getattr(module, "__cpu_variant__", "?"),
+                     "block_size": contestant.block_size, "run_blocks": contestant.run_blocks,
+                     "chunk_tokens": contestant.chunk_tokens, "threads": threads or module.num_threads(),
+                     "shape": shape.name, "seq_len": seq_len, "calls": len(walls),
+                     "median_ms": median * 1e3, "p10_ms": sorted(walls)[len(walls) // 10] * 1e3,
+                     "kernel_ms": statistics.median(kernels) * 1e3,
                      "kv_gbps": kv_bytes(shape, seq_len) / median / 1e9, "speedup_vs_first": first / median})
     return rows
+
+
+def contestants_of(args) -> list[Contestant]:
+    return [Contestant(build, variant, block_size, run_blocks, chunk_tokens)
+            for build, variant, block_size, run_blocks, chunk_tokens in itertools.product(
+                args.builds, args.variants or [None], args.block_sizes, args.run_blocks, args.chunk_tokens or [None])]
+
+
+def load(contestants: list[Contestant], workdir: str) -> list:
+    """Each contestant's module: a build as it is, or a copy of it per variant."""
+    modules = []
+    for index, contestant in enumerate(contestants):
+        if contestant.variant is None:
+            modules.append(load_build(contestant.build, index))
+        else:
+            modules.append(load_variant(contestant.build, index, contestant.variant, workdir))
+    return modules
+
+
+def check_args(parser, args, shape) -> None:
+    check_positive(parser, args, ("seq_len", "rounds"))
+    for name in ("block_sizes", "run_blocks", "chunk_tokens"):
+        bad = [n for n in getattr(args, name) or [] if n < 1]
+        if bad:
+            parser.error(f"--{name.replace('_', '-')} must each be >= 1, got {bad}")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    odd = [n for n in args.block_sizes if n % 2] if not shape.v_in_k else []
+    if odd:  # the paired layout stores tokens in pairs
+        parser.error(f"--block-sizes must be even for {shape.name} (the paired layout), got {odd}")
+    uneven = [n for n in args.block_sizes if args.seq_len % n]
+    if uneven:
+        parser.error(f"--seq-len {args.seq_len} must be a multiple of every block size, not of {uneven}")
+    if args.cold_mib < 0:
+        parser.error(f"--cold-mib must be >= 0, got {args.cold_mib}")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--builds", nargs="+", required=True, help="_cpu*.so files; the first is the baseline")
     parser.add_argument("--shape", default="mixtral", choices=[s.name for s in SHAPES])
-    parser.add_argument("--seq-len", type=int, default=32768, help="tokens (a multiple of 16)")
+    parser.add_argument("--seq-len", type=int, default=32768, help="tokens (a multiple of every block size)")
     parser.add_argument("--cold-mib", type=int, default=1024, help="MiB read between two reads of the same KV")
-    parser.add_argument("--rounds", type=int, default=6, help="turns of every build")
+    parser.add_argument("--rounds", type=int, default=6, help="turns of every contestant")
     parser.add_argument("--variants", nargs="+", default=None,
                         help="ISA variants to run each build with (default: each build's own best)")
+    parser.add_argument("--block-sizes", nargs="+", type=int, default=[16], help="tokens per KV block")
+    parser.add_argument("--run-blocks", nargs="+", type=int, default=[16],
+                        help="consecutive physical blocks per run (16: one window flush; 1: every block shuffled)")
+    parser.add_argument("--chunk-tokens", nargs="+", type=int, default=None,
+                        help="tokens per work item (default: sized by the kernel)")
+    parser.add_argument("--threads", type=int, default=None, help="kernel threads of every build (default: theirs)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args(argv)
-    check_positive(parser, args, ("seq_len", "rounds"))
-    if args.seq_len % 16:
-        parser.error(f"--seq-len must be a multiple of the block size 16, got {args.seq_len}")
-    if args.cold_mib < 0:
-        parser.error(f"--cold-mib must be >= 0, got {args.cold_mib}")
+    shape = {s.name: s for s in SHAPES}[args.shape]
+    check_args(parser, args, shape)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    contestants = contestants_of(args)
     with tempfile.TemporaryDirectory() as workdir:
         try:
-            if args.variants:
-                pairs = [(path, variant) for path in args.builds for variant in args.variants]
-                builds = [load_variant(path, i, variant, workdir) for i, (path, variant) in enumerate(pairs)]
-                paths = [path for path, _ in pairs]
-            else:
-                builds = [load_build(path, i) for i, path in enumerate(args.builds)]
-                paths = args.builds
+            modules = load(contestants, workdir)
         except ValueError as error:
             parser.error(str(error))
-        shape = {s.name: s for s in SHAPES}[args.shape]
+        if args.threads is not None:
+            for module in modules:
+                module.set_num_threads(args.threads)
         torch.manual_seed(0)
-        times = measure(builds, shape, args.seq_len, args.cold_mib << 20, args.rounds)
-    rows = summarize(paths, builds, times, shape, args.seq_len)
+        times = measure(contestants, modules, shape, args.seq_len, args.cold_mib << 20, args.rounds)
+    rows = summarize(contestants, modules, times, shape, args.seq_len, args.threads)
     for row in rows:
-        log.info("%s L=%d %s (variant %s): median %.3f ms, p10 %.3f ms, %.1f GB/s, %.2fx the first", row["shape"],
-                 row["seq_len"], row["build"], row["variant"], row["median_ms"], row["p10_ms"], row["kv_gbps"],
-                 row["speedup_vs_first"])
+        log.info("%s L=%d %s (variant %s, block %d, runs of %d, chunk %s, %d threads): median %.3f ms, p10 %.3f ms, "
+                 "kernel %.3f ms, %.1f GB/s, %.2fx the first", row["shape"], row["seq_len"], row["build"],
+                 row["variant"], row["block_size"], row["run_blocks"], row["chunk_tokens"] or "auto", row["threads"],
+                 row["median_ms"], row["p10_ms"], row["kernel_ms"], row["kv_gbps"], row["speedup_vs_first"])
     if args.out:
         write_json(args.out, {"rows": rows, "rounds": args.rounds, "cold_mib": args.cold_mib})
     return rows

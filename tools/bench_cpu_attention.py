@@ -92,11 +92,13 @@ def make_inputs(shape: Shape, seq_len: int):
 BLOCK_SIZE = 16
 
 
-def cache_source(shape: Shape, k, v, generator: torch.Generator, run_blocks: int) -> ops.KVSource:
+def cache_source(shape: Shape, k, v, generator: torch.Generator, run_blocks: int,
+                 block_size: int = BLOCK_SIZE) -> ops.KVSource:
     """k, v [num_kv_heads, seq_len, dim] -> one sequence's KVSource laid out as cpu_compute lays it out:
     [num_kv_heads, num_blocks, <block>] storage seen as [num_blocks, num_kv_heads, <block>], the
-    sequence's blocks in runs of run_blocks consecutive physical ids, the runs shuffled."""
-    num_blocks = k.shape[1] // BLOCK_SIZE
+    sequence's blocks in runs of run_blocks consecutive physical ids, the runs shuffled. seq_len is a
+    multiple of block_size."""
+    num_blocks = k.shape[1] // block_size
     num_runs = -(-num_blocks // run_blocks)
     runs = torch.randperm(num_runs, generator=generator)
     order = (runs[:, None] * run_blocks + torch.arange(run_blocks)[None]).flatten()
@@ -104,7 +106,7 @@ def cache_source(shape: Shape, k, v, generator: torch.Generator, run_blocks: int
     inverse = torch.argsort(order)  # physical block inverse[j] holds logical block j
 
     def stored(array, name):
-        blocks = array.unflatten(1, (num_blocks, BLOCK_SIZE))[:, order]  # [kv, physical, bs, dim]
+        blocks = array.unflatten(1, (num_blocks, block_size))[:, order]  # [kv, physical, bs, dim]
         if not shape.v_in_k:
             blocks = to_paired(name, blocks)
         return blocks.contiguous().transpose(0, 1)

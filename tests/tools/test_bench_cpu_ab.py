@@ -62,7 +62,13 @@ def test_a_variant_this_cpu_does_not_run_is_refused_by_name(two_builds, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--builds", "/nonexistent/_cpu.so"], "is not a file"),
-    (["--builds", "x", "--seq-len", "100"], "multiple of the block size"),
+    (["--builds", "x", "--seq-len", "100"], "must be a multiple of every block size, not of [16]"),
+    (["--builds", "x", "--seq-len", "96", "--block-sizes", "16", "64"], "not of [64]"),
+    (["--builds", "x", "--block-sizes", "15"], "must be even for mixtral"),
+    (["--builds", "x", "--block-sizes", "0"], "--block-sizes must each be >= 1"),
+    (["--builds", "x", "--run-blocks", "0"], "--run-blocks must each be >= 1"),
+    (["--builds", "x", "--chunk-tokens", "0"], "--chunk-tokens must each be >= 1"),
+    (["--builds", "x", "--threads", "0"], "--threads must be >= 1"),
     (["--builds", "x", "--rounds", "0"], "--rounds must be >= 1"),
     (["--builds", "x", "--cold-mib", "-1"], "--cold-mib must be >= 0"),
 ])
@@ -70,3 +76,24 @@ def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench_cpu_ab.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_layouts_and_work_items_are_contestants_too(two_builds):
+    """One build on every combination of block size, run length and work item, in that order, each
+    result checked against the reference inside the tool (a wrong layout raises there)."""
+    rows = bench_cpu_ab.main(["--builds", two_builds[0], "--shape", "mixtral", "--seq-len", "256",
+                              "--block-sizes", "16", "64", "--run-blocks", "1", "4", "--chunk-tokens", "64", "256",
+                              "--cold-mib", "1", "--rounds", "1", "--threads", "1"])
+    combos = [(row["block_size"], row["run_blocks"], row["chunk_tokens"]) for row in rows]
+    assert combos == [(16, 1, 64), (16, 1, 256), (16, 4, 64), (16, 4, 256),
+                      (64, 1, 64), (64, 1, 256), (64, 4, 64), (64, 4, 256)]
+    for row in rows:
+        assert row["threads"] == 1
+        assert 0 < row["kernel_ms"] <= row["median_ms"]  # the kernel's own seconds lie inside the call's
+
+
+def test_mla_takes_any_block_size(two_builds):
+    # MLA's latents are token-major: an odd block size is a layout it can have
+    rows = bench_cpu_ab.main(["--builds", two_builds[0], "--shape", "deepseek-v2-lite-mla", "--seq-len", "255",
+                              "--block-sizes", "17", "--cold-mib", "1", "--rounds", "1"])
+    assert rows[0]["block_size"] == 17 and rows[0]["kernel_ms"] > 0
