@@ -244,9 +244,10 @@ class CPUWorker:
         per compression rate for DeepSeek-V4); a request names its region by index in this list."""
         # Imported here, in the worker: Ray pickles this class by value, and its globals with it.
         from writescope.kv_regions import HostRegion
-        from writescope.topology import pin_process
+        from writescope.topology import pin_process, share_cores
 
         pin_process(node.cpus)  # the threads Ray started before us and the kernel's pool
+        share_cores()  # the node's cores are the GPU worker's and the other CPU workers' too
         self.node = node
         # their segments bound to the node as the cache commits them
         self.regions = [HostRegion.attach(handle) for handle in shard_handles]
@@ -262,6 +263,12 @@ class CPUWorker:
         source = (selected_source if unit == TOKENS else compute_source)(shard, layer, table, seq_lens)
         # the channel checked the request's bounds; the C++ launcher checks every block id before a read
         return ops.cpu_paged_attention_timed(q, source, scale)
+
+    def pool_spin(self) -> int:
+        """Microseconds this process's kernel pool polls between jobs (for checks from outside)."""
+        from writescope import _cpu
+
+        return _cpu.pool_spin()
 
     def thread_affinities(self) -> dict[int, list[int]]:
         """CPU sets of every thread of this process, read by thread id (for checks from outside)."""

@@ -215,6 +215,9 @@ class GPUWorker:
         from writescope.actors.cpu_worker import ChannelExecutor
         from writescope.actors.policy_store import RemotePolicy
         from writescope.engine import PROVISIONAL_MODEL
+        from writescope.topology import share_cores
+
+        share_cores()  # its dense products run on the cores the CPU workers' kernels use
 
         learns = config.policy == "writescope"
         snapshot = ray.get(policy_store.configure.remote(config.policy, PROVISIONAL_MODEL if learns else None))
@@ -355,6 +358,12 @@ class GPUWorker:
 
     async def pid(self) -> int:
         return os.getpid()
+
+    async def pool_spin(self) -> int:
+        """Microseconds this process's kernel pool polls between jobs (for checks from outside)."""
+        from writescope import _cpu
+
+        return _cpu.pool_spin()
 
     async def check_health(self) -> bool:
         if self.service.failure is not None:

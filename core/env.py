@@ -35,6 +35,12 @@ NUM_THREADS = EnvVar(
     "Threads of the CPU kernels' pool, the calling thread included (default: the CPUs in the affinity mask).",
     "an integer in [1, 4096]",
 )
+POOL_SPIN_US = EnvVar(
+    "WRITESCOPE_POOL_SPIN_US",
+    "Microseconds an idle thread of the CPU kernels' pool polls for the next job before it sleeps (default "
+    "200; Ray's CPU and GPU workers use 0 unless it is set, since they share their cores with each other).",
+    "an integer in [0, 1000000]",
+)
 
 TRITON_INTERPRET = EnvVar(
     "TRITON_INTERPRET",
@@ -55,4 +61,4 @@ NUMA_NODES = EnvVar(
     "a positive integer, at most the number of CPUs",
 )
 
-ALL = (CPU_VARIANT, NUM_THREADS, TRITON_INTERPRET, CACHE_DIR, NUMA_NODES)
+ALL = (CPU_VARIANT, NUM_THREADS, POOL_SPIN_US, TRITON_INTERPRET, CACHE_DIR, NUMA_NODES)

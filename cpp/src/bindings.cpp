@@ -17,6 +17,7 @@ PYBIND11_MODULE(_cpu, m) {
   m.attr("__cpu_variant__") = runtime().kernels->name;
   m.attr("MIN_CHUNK_TOKENS") = kMinChunkTokens;
   m.attr("MAX_CHUNK_TOKENS") = kMaxChunkTokens;
+  m.attr("DEFAULT_POOL_SPIN_MICROSECONDS") = ThreadPool::kDefaultSpinMicroseconds;
 
   m.def("paged_attention", &paged_attention, py::arg("q").noconvert(), py::arg("k_cache").noconvert(),
         py::arg("v_cache").noconvert(), py::arg("block_table").noconvert(), py::arg("seq_lens").noconvert(),
@@ -70,6 +71,11 @@ PYBIND11_MODULE(_cpu, m) {
   m.def("pinned_cpus", [] { return runtime().pool->cpus(); }, "CPUs the pool's workers are pinned to (empty: none).");
   m.def("set_num_threads", &configure_threads, py::arg("num_threads"), py::arg("cpus") = std::vector<int>{},
         "Rebuilds the pool with num_threads threads (the caller included), workers pinned to cpus if given.");
+  m.def("pool_spin", &ThreadPool::spin_microseconds,
+        "Microseconds an idle pool thread polls for the next job (and a caller for the workers) before it sleeps.");
+  m.def("set_pool_spin", &ThreadPool::set_spin_microseconds, py::arg("microseconds"),
+        "Sets pool_spin for this process, in [0, 1000000]; 0 sleeps at once (a process whose cores other busy "
+        "processes share).");
   m.def("read_bandwidth", &read_bandwidth, py::arg("num_bytes"), py::arg("repeats"),
         "Streaming-read bandwidth in GB/s per repeat, with the current variant and pool.");
   m.def("stream_read_seconds", &stream_read_seconds, py::arg("buffers"),

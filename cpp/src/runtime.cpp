@@ -153,6 +153,15 @@ void init_runtime_from_env() {
                                   threads_env + "'");
     threads = static_cast<int>(parsed);
   }
+  const char* spin_env = std::getenv("WRITESCOPE_POOL_SPIN_US");
+  if (spin_env && *spin_env) {
+    char* end = nullptr;
+    const long long parsed = std::strtoll(spin_env, &end, 10);
+    if (*end != '\0' || parsed < 0 || parsed > ThreadPool::kMaxSpinMicroseconds)
+      throw std::invalid_argument("WRITESCOPE_POOL_SPIN_US must be an integer in [0, " +
+                                  std::to_string(ThreadPool::kMaxSpinMicroseconds) + "], got '" + spin_env + "'");
+    ThreadPool::set_spin_microseconds(parsed);
+  }
   configure_threads(threads, {});
 }
 

@@ -51,10 +51,13 @@ def test_ray_gives_the_local_tokens(ray_cluster, preset, policy, num_nodes):
     assert tokens == local_tokens(preset, policy)
 
 
-def test_cpu_workers_are_pinned_to_their_nodes(ray_cluster):
+def test_cpu_workers_are_pinned_to_their_nodes_and_no_worker_polls_for_jobs(ray_cluster):
     nodes = emulated_topology(2)
     engine = ray_engine("tiny-qwen3-moe", "all_cpu", 2)
     try:
+        # the workers share the node's cores: a pool polling between jobs would take another's core
+        assert ray.get(engine.gpu_worker.pool_spin.remote()) == 0
+        assert ray.get([w.pool_spin.remote() for w in engine.cpu_workers]) == [0, 0]
         for node, worker in zip(nodes, engine.cpu_workers, strict=True):
             affinities = ray.get(worker.thread_affinities.remote())
             assert len(affinities) > 1
