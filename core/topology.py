@@ -80,7 +80,7 @@ def share_cores() -> None:
     node): the C++ pool's idle threads sleep at once instead of polling for the next job, unless
     WRITESCOPE_POOL_SPIN_US is set. Measured on a 2-vCPU host, Ray executor, 8K x 1: polling for
     200 us after each job cost 15-20% of decode tok/s, the pollers taking the cores the other
-    workers needed; one process alone (the local executor) gains 15-20% from it."""
+    workers needed; one process alone (the local executor) gains 10-17% from it."""
     if env.POOL_SPIN_US.get() is None:
         from writescope import _cpu
 

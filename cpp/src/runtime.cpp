@@ -7,8 +7,11 @@
 #include <cpuid.h>
 #endif
 
+#include <cerrno>
 #include <chrono>
+#include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 
 namespace writescope {
@@ -140,29 +143,31 @@ void configure_threads(int num_threads, const std::vector<int>& cpus) {
   rt.workspaces.assign(num_threads, {});
 }
 
+namespace {
+
+// The integer in environment variable `name` (none when unset or empty); std::invalid_argument
+// naming the variable and [low, high] when it is anything else.
+std::optional<int64_t> env_integer(const char* name, int64_t low, int64_t high) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  const long long parsed = std::strtoll(text, &end, 10);
+  if (*end != '\0' || errno == ERANGE || parsed < low || parsed > high)
+    throw std::invalid_argument(std::string(name) + " must be an integer in [" + std::to_string(low) + ", " +
+                                std::to_string(high) + "], got '" + text + "'");
+  return parsed;
+}
+
+}  // namespace
+
 void init_runtime_from_env() {
   const char* variant = std::getenv("WRITESCOPE_CPU_VARIANT");
   select_variant(variant && *variant ? variant : available_variants().front());
-  int threads = affinity_cpu_count();
-  const char* threads_env = std::getenv("WRITESCOPE_NUM_THREADS");
-  if (threads_env && *threads_env) {
-    char* end = nullptr;
-    const long parsed = std::strtol(threads_env, &end, 10);
-    if (*end != '\0' || parsed < 1 || parsed > 4096)
-      throw std::invalid_argument(std::string("WRITESCOPE_NUM_THREADS must be an integer in [1, 4096], got '") +
-                                  threads_env + "'");
-    threads = static_cast<int>(parsed);
-  }
-  const char* spin_env = std::getenv("WRITESCOPE_POOL_SPIN_US");
-  if (spin_env && *spin_env) {
-    char* end = nullptr;
-    const long long parsed = std::strtoll(spin_env, &end, 10);
-    if (*end != '\0' || parsed < 0 || parsed > ThreadPool::kMaxSpinMicroseconds)
-      throw std::invalid_argument("WRITESCOPE_POOL_SPIN_US must be an integer in [0, " +
-                                  std::to_string(ThreadPool::kMaxSpinMicroseconds) + "], got '" + spin_env + "'");
-    ThreadPool::set_spin_microseconds(parsed);
-  }
-  configure_threads(threads, {});
+  const auto threads = env_integer("WRITESCOPE_NUM_THREADS", 1, 4096);
+  const auto spin = env_integer("WRITESCOPE_POOL_SPIN_US", 0, ThreadPool::kMaxSpinMicroseconds);
+  if (spin) ThreadPool::set_spin_microseconds(*spin);
+  configure_threads(threads ? static_cast<int>(*threads) : affinity_cpu_count(), {});
 }
 
 }  // namespace writescope

@@ -1,12 +1,15 @@
 #include "thread_pool.h"
 
-#include <immintrin.h>
 #include <pthread.h>
 #include <sched.h>
 
 #include <chrono>
 #include <stdexcept>
 #include <string>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace writescope {
 
@@ -26,6 +29,13 @@ namespace {
 
 std::atomic<int64_t> spin_us{ThreadPool::kDefaultSpinMicroseconds};
 
+// A poll's pause: tells the core this is a spin loop (it frees the sibling hyperthread's share).
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
 // Polls done() for up to spin_microseconds(); true when it turned true meanwhile. For the first
 // kPauseMicroseconds the poll only pauses the core; after that it yields it at every poll, so a
 // runnable thread waiting for this core runs first.
@@ -41,7 +51,7 @@ bool spin_until(Done done) {
     for (int i = 0; i < 16; ++i) {  // a clock read per 16 polls
       if (done()) return true;
       if (yielding) sched_yield();
-      else _mm_pause();
+      else cpu_relax();
     }
   }
   return done();

@@ -58,8 +58,10 @@ class ThreadPool {
   std::mutex state_mutex_;
   std::condition_variable wake_;  // sleeping workers: a job was posted (or the pool stops)
   std::condition_variable done_;  // a sleeping caller: the last worker finished
-  // Written under state_mutex_ (so a sleeper cannot miss them), read without it by spinners.
-  // generation_'s release store publishes the job's fn_, context_ and num_items_.
+  // Polled without state_mutex_. generation_ and stopping_ change under it, so a sleeping worker
+  // cannot miss them; the last worker's decrement of busy_workers_ is followed by done_'s notify
+  // under it, so a sleeping caller cannot either. generation_'s release store publishes the job's
+  // fn_, context_ and num_items_.
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stopping_{false};
   std::atomic<int> busy_workers_{0};
