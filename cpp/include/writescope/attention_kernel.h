@@ -49,6 +49,29 @@ struct Fp16Kv {
 };
 
 #define WS_INLINE inline __attribute__((always_inline))
+// Before a loop over a step's accumulators, loads or heads (constant trip counts): unrolled before
+// GCC's scalar replacement of aggregates runs, or an accumulator array it still indexes in a loop
+// stays in memory, and the compute loop stores every accumulator on every iteration (GCC 12 did
+// that to the avx512 variant's score loop: Mixtral in L2, one thread, 1.57x once unrolled).
+#define WS_UNROLL _Pragma("GCC unroll 32")
+
+// A prefetch into L2 that the compiler keeps: GCC 12 at -O3 deletes a loop whose body is only
+// __builtin_prefetch calls (the page touches below compiled to nothing until they used this).
+WS_INLINE void prefetch_kept(const void* line) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(line)));
+#else
+  __builtin_prefetch(line, 0, 2);
+#endif
+}
+
+// One line in each 4 KB page of [bytes, bytes + size): the pages' address translations start two
+// tiles before their lines are needed, so the line prefetches a tile ahead do not wait for a page
+// walk (each 16-token block is its own page or pages, and every call's KV is new to the TLB).
+WS_INLINE void touch_pages(const char* bytes, int64_t size) {
+  for (int64_t offset = 0; offset < size; offset += 4096) prefetch_kept(bytes + offset);
+  if (size > 0) prefetch_kept(bytes + size - 1);
+}
 
 inline uint16_t bf16_round(float x) {  // to nearest even; a NaN stays a quiet NaN
   if (x != x) return 0x7FC0u;
@@ -468,6 +491,10 @@ struct ItemKernel {
       for (int64_t d = 0; d < dim_v; ++d) item.out[g * dim_v + d] *= inv;
       item.lse[g] = row_max[g] + std::log(row_sum[g]);
       if (split_v) interleave_pairs(item.out + g * dim_v, split_v);
+      if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
+        if (bf16_dot && !amx)
+          for (int64_t d = 0; d + 2 * W <= dim_v; d += 2 * W) S::unpacked_to_natural(item.out + g * dim_v + d);
+      }
     }
   }
 
@@ -560,6 +587,7 @@ struct ItemKernel {
     int64_t ahead = end - begin - count;
     if (ahead == 0 && !amx) ahead = next_item_rows(item.next, v_in_k);  // AMX: not measured (no host)
     prefetch.reset(ahead);
+    touch_blocks(item, end, end + kTileTokens < item.token_end ? end + kTileTokens : item.token_end, v_in_k);
     for (int64_t t = 0; begin + t < end; ++t) {
       const int64_t physical = table[block];
       const T* k_row = k_base + physical * a.k_block_stride + offset * a.k_token_stride;
@@ -579,6 +607,22 @@ struct ItemKernel {
         offset = 0;
         ++block;
       }
+    }
+  }
+
+  // The pages of the blocks holding tokens [from, to) of the item (the tile after the one the
+  // prefetcher asks for).
+  void touch_blocks(const WorkItem& item, int64_t from, int64_t to, bool v_in_k) const {
+    if (from >= to) return;
+    const int32_t* table = a.block_table + item.seq * a.block_table_stride;
+    const char* k_base = reinterpret_cast<const char*>(static_cast<const T*>(a.k) + item.kv_head * a.k_head_stride);
+    const char* v_base = reinterpret_cast<const char*>(static_cast<const T*>(a.v) + item.kv_head * a.v_head_stride);
+    const int64_t k_bytes = ((a.block_size - 1) * a.k_token_stride + dim_qk) * static_cast<int64_t>(sizeof(T));
+    const int64_t v_bytes = ((a.block_size - 1) * a.v_token_stride + dim_v) * static_cast<int64_t>(sizeof(T));
+    for (int64_t block = from / a.block_size; block * a.block_size < to; ++block) {
+      const int64_t physical = table[block];
+      touch_pages(k_base + physical * a.k_block_stride * static_cast<int64_t>(sizeof(T)), k_bytes);
+      if (!v_in_k) touch_pages(v_base + physical * a.v_block_stride * static_cast<int64_t>(sizeof(T)), v_bytes);
     }
   }
 
@@ -971,7 +1015,7 @@ struct ItemKernel {
       int64_t t = 0;
       for (; t + 2 <= count; t += 2) {
         typename S::Raw low, high;
-        S::pair_rows(v_rows[t] + d0, v_rows[t + 1] + d0, low, high);
+        S::unpack_rows(v_rows[t] + d0, v_rows[t + 1] + d0, low, high);
         for (int gi = 0; gi < GT; ++gi) {
           const typename S::Raw probabilities = S::raw_set1(p[gi * (kTileTokens / 2) + t / 2]);
           sum[gi][0] = S::dot_bf16(sum[gi][0], probabilities, low);
@@ -979,7 +1023,8 @@ struct ItemKernel {
         }
       }
       if (t < count) {
-        const V low = Kv::template vec<S>(v_rows[t] + d0), high = Kv::template vec<S>(v_rows[t] + d0 + W);
+        V low, high;
+        S::unpack_row(v_rows[t] + d0, low, high);
         for (int gi = 0; gi < GT; ++gi) {
           const V pt = S::set1(scores[(g0 + gi) * kTileTokens + t]);
           sum[gi][0] = S::fma(pt, low, sum[gi][0]);

@@ -293,6 +293,7 @@ struct PairedKernel {
         v_blocks[j] = static_cast<const T*>(a.v) + item.kv_head * a.v_head_stride + physical * a.v_block_stride;
       }
       const int64_t ahead = block + (kPrefetchTiles + 1) * tile_blocks;
+      touch_blocks(table, ahead, ahead + tile_blocks, end_block);
       if (ahead - tile_blocks < end_block) queue_prefetch(table, ahead - tile_blocks, ahead, end_block, kv_head);
       else queue_next_item(item.next);
       compute_scores(blocks, count);
@@ -412,6 +413,18 @@ struct PairedKernel {
     return reinterpret_cast<const char*>(static_cast<const T*>(base) + head * head_stride + physical * block_stride);
   }
 
+  // The pages of blocks [from, to) (clipped to end_block), K and V: the tile after the one the
+  // prefetcher asks for.
+  void touch_blocks(const int32_t* table, int64_t from, int64_t to, int64_t end_block) const {
+    const int64_t k_bytes = dim_qk * block_size * static_cast<int64_t>(sizeof(T));
+    const int64_t v_bytes = dim_v * block_size * static_cast<int64_t>(sizeof(T));
+    for (int64_t b = from; b < to && b < end_block; ++b) {
+      const int64_t physical = table[b];
+      touch_pages(block_bytes_at(a.k, physical, a.k_block_stride, a.k_head_stride, kv_head), k_bytes);
+      touch_pages(block_bytes_at(a.v, physical, a.v_block_stride, a.v_head_stride, kv_head), v_bytes);
+    }
+  }
+
   static void prefetch_range(const char* bytes, int64_t size) {
     for (int64_t offset = 0; offset < size; offset += 64) __builtin_prefetch(bytes + offset, 0, 3);
   }
@@ -425,6 +438,7 @@ struct PairedKernel {
   WS_INLINE void score_step(int64_t g0, const TokenVector* tv) {
     constexpr bool kChained = chained_scores(GT);
     V even_acc[GT * TV], odd_acc[GT * TV];
+    WS_UNROLL
     for (int i = 0; i < GT * TV; ++i) even_acc[i] = odd_acc[i] = S::zero();
     const int64_t pairs = dim_qk / 2;
     const int64_t pair_stride = block_size * 2;
@@ -435,14 +449,17 @@ struct PairedKernel {
     for (int64_t p = 0; p < pairs; ++p, q += q_stride, k += pair_stride) {
       prefetch.step();
       V even[TV], odd[TV];
+      WS_UNROLL
       for (int ti = 0; ti < TV; ++ti) {
         if constexpr (kVectors == Vectors::kAdjacent) Kv::template pairs<S>(k + ti * W * 2, W, even[ti], odd[ti]);
         else if constexpr (kVectors == Vectors::kWhole) Kv::template pairs<S>(tv[ti].k + p * pair_stride, W, even[ti], odd[ti]);
         else Kv::template pairs<S>(tv[ti].k + p * pair_stride, tv[ti].lanes, even[ti], odd[ti]);
       }
+      WS_UNROLL
       for (int gi = 0; gi < GT; ++gi) {
         const V qe = S::set1(q[2 * gi]);
         const V qo = S::set1(q[2 * gi + 1]);
+        WS_UNROLL
         for (int ti = 0; ti < TV; ++ti) {
           if constexpr (kChained) {
             even_acc[gi * TV + ti] = S::fma(qo, odd[ti], S::fma(qe, even[ti], even_acc[gi * TV + ti]));
@@ -454,7 +471,9 @@ struct PairedKernel {
       }
     }
     pf = prefetch;
+    WS_UNROLL
     for (int gi = 0; gi < GT; ++gi)
+      WS_UNROLL
       for (int ti = 0; ti < TV; ++ti)
         S::store_partial(scores + (g0 + gi) * stride + tv[ti].column,
                          kChained ? even_acc[gi * TV + ti] : S::add(even_acc[gi * TV + ti], odd_acc[gi * TV + ti]),
@@ -469,7 +488,9 @@ struct PairedKernel {
     if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
       constexpr int kSets = GT * TV >= 12 ? 1 : 2;
       V acc[kSets][GT * TV];
+      WS_UNROLL
       for (int s = 0; s < kSets; ++s)
+        WS_UNROLL
         for (int i = 0; i < GT * TV; ++i) acc[s][i] = S::zero();
       const int64_t pairs = dim_qk / 2;
       const int64_t pair_stride = block_size * 2;
@@ -478,24 +499,30 @@ struct PairedKernel {
       const auto pair_step = [&](int64_t p, V* sums) __attribute__((always_inline)) {
         prefetch.step();
         typename S::Raw k[TV];
+        WS_UNROLL
         for (int ti = 0; ti < TV; ++ti) {
           if constexpr (kVectors == Vectors::kAdjacent) k[ti] = S::load_raw(tv[0].k + p * pair_stride + ti * W * 2);
           else if constexpr (kVectors == Vectors::kWhole) k[ti] = S::load_raw(tv[ti].k + p * pair_stride);
           else k[ti] = S::load_raw_words(tv[ti].k + p * pair_stride, tv[ti].lanes);
         }
+        WS_UNROLL
         for (int gi = 0; gi < GT; ++gi) {
           const typename S::Raw qp = S::raw_set1(q[p * GT + gi]);
+          WS_UNROLL
           for (int ti = 0; ti < TV; ++ti) sums[gi * TV + ti] = S::dot_bf16(sums[gi * TV + ti], qp, k[ti]);
         }
       };
       int64_t p = 0;
       for (; p + kSets <= pairs; p += kSets)
+        WS_UNROLL
         for (int s = 0; s < kSets; ++s) pair_step(p + s, acc[s]);
       for (; p < pairs; ++p) pair_step(p, acc[0]);
       pf = prefetch;
       const V scale = S::set1(a.scale);
+      WS_UNROLL
       for (int i = 0; i < GT * TV; ++i) {
         V sum = acc[0][i];
+        WS_UNROLL
         for (int s = 1; s < kSets; ++s) sum = S::add(sum, acc[s][i]);
         const int gi = i / TV, ti = i % TV;
         S::store_partial(scores + (g0 + gi) * stride + tv[ti].column, S::mul(scale, sum), tv[ti].lanes);
@@ -578,7 +605,9 @@ struct PairedKernel {
   WS_INLINE void value_step(int64_t g0, int64_t d0, int64_t blocks, int64_t count, float* acc) {
     const int64_t row = kRow != 0 ? kRow : stride;
     V sum[GT][NV];
+    WS_UNROLL
     for (int gi = 0; gi < GT; ++gi)
+      WS_UNROLL
       for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::load(acc + (g0 + gi) * dim_v + d0 + vi * W);
     const int64_t pair_stride = dim_v * 2;
     Prefetcher prefetch = pf;
@@ -612,9 +641,12 @@ struct PairedKernel {
   template <int GT, int NV>
   WS_INLINE void lone_token(V (&sum)[GT][NV], const T* v, const float* p, int64_t row) {
     V first[NV], unused[NV];
+    WS_UNROLL
     for (int vi = 0; vi < NV; ++vi) Kv::template pairs<S>(v + vi * W * 2, W, first[vi], unused[vi]);
+    WS_UNROLL
     for (int gi = 0; gi < GT; ++gi) {
       const V pt = S::set1(p[gi * row]);
+      WS_UNROLL
       for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::fma(pt, first[vi], sum[gi][vi]);
     }
   }
@@ -647,9 +679,11 @@ struct PairedKernel {
     const int64_t lanes = dim_v - d0;
     if constexpr (W > 1) {
       alignas(64) float padded[GT * W];
+      WS_UNROLL
       for (int gi = 0; gi < GT; ++gi)
         for (int64_t l = 0; l < W; ++l) padded[gi * W + l] = l < lanes ? acc[(g0 + gi) * dim_v + d0 + l] : 0.0f;
       V sum[GT];
+      WS_UNROLL
       for (int gi = 0; gi < GT; ++gi) sum[gi] = S::load(padded + gi * W);
       const int64_t pair_stride = dim_v * 2;
       for (int64_t j = 0; j < blocks; ++j) {
@@ -659,12 +693,14 @@ struct PairedKernel {
         for (int64_t t = 0; t < valid; t += 2) {
           V first, second;
           Kv::template pairs<S>(v_block + (t / 2) * pair_stride, lanes, first, second);
+          WS_UNROLL
           for (int gi = 0; gi < GT; ++gi) {
             sum[gi] = S::fma(S::set1(p_block[(g0 + gi) * stride + t]), first, sum[gi]);
             if (t + 1 < valid) sum[gi] = S::fma(S::set1(p_block[(g0 + gi) * stride + t + 1]), second, sum[gi]);
           }
         }
       }
+      WS_UNROLL
       for (int gi = 0; gi < GT; ++gi) S::store_partial(acc + (g0 + gi) * dim_v + d0, sum[gi], lanes);
     }
   }
@@ -697,7 +733,9 @@ struct PairedKernel {
       const int64_t row = kRow != 0 ? kRow : stride;
       const int64_t row_words = row / 2;
       V sum[GT][NV];
+      WS_UNROLL
       for (int gi = 0; gi < GT; ++gi)
+        WS_UNROLL
         for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::load(acc + (g0 + gi) * dim_v + d0 + vi * W);
       const int64_t pair_stride = dim_v * 2;
       Prefetcher prefetch = pf;
@@ -710,16 +748,21 @@ struct PairedKernel {
         for (int64_t tp = 0; tp < full_pairs; ++tp, v += pair_stride) {
           prefetch.step();
           typename S::Raw pair[NV];
+          WS_UNROLL
           for (int vi = 0; vi < NV; ++vi) pair[vi] = S::load_raw(v + vi * W * 2);
+          WS_UNROLL
           for (int gi = 0; gi < GT; ++gi) {
             const typename S::Raw probabilities = S::raw_set1(p[gi * row_words + tp]);
+            WS_UNROLL
             for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::dot_bf16(sum[gi][vi], probabilities, pair[vi]);
           }
         }
         if (valid % 2) lone_token<GT, NV>(sum, v, scores + g0 * row + j * block_size + valid - 1, row);
       }
       pf = prefetch;
+      WS_UNROLL
       for (int gi = 0; gi < GT; ++gi)
+        WS_UNROLL
         for (int vi = 0; vi < NV; ++vi) S::store(acc + (g0 + gi) * dim_v + d0 + vi * W, sum[gi][vi]);
     }
   }
@@ -771,6 +814,7 @@ void attend_item(const PagedAttentionArgs& args, const WorkItem& item, Workspace
 }
 
 #undef WS_INLINE
+#undef WS_UNROLL
 
 }  // namespace
 }  // namespace writescope

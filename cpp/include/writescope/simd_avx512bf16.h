@@ -40,6 +40,33 @@ struct Avx512Bf16Simd : Avx512Simd {
     low = _mm512_permutex2var_epi16(x, low_index, y);
     high = _mm512_permutex2var_epi16(x, high_index, y);
   }
+  // 32 dims of two token rows a and b (bf16) -> their (a, b) pairs in unpack order: lanes 4k..4k+3
+  // of `low` hold dims 8k..8k+3 and the same lanes of `high` dims 8k+4..8k+7 (k < 4), the order of
+  // one unpack per 128-bit lane. One in-lane shuffle each where pair_rows' natural order takes a
+  // two-source word permute; the caller keeps its sums in this order and restores the natural one
+  // once per item (unpacked_to_natural). Measured on a 2-vCPU Zen 4, MLA interleaved with
+  // pair_rows: 1.02x one thread at 4K in L3, 1.01x two threads at 8K from DRAM.
+  static void unpack_rows(const uint16_t* a, const uint16_t* b, Raw& low, Raw& high) {
+    const __m512i x = _mm512_loadu_si512(a);
+    const __m512i y = _mm512_loadu_si512(b);
+    low = _mm512_unpacklo_epi16(x, y);
+    high = _mm512_unpackhi_epi16(x, y);
+  }
+  // One token row's 32 dims widened to float32 in unpack_rows' order.
+  static void unpack_row(const uint16_t* a, V& low, V& high) {
+    const __m512i x = _mm512_loadu_si512(a);
+    low = _mm512_castsi512_ps(_mm512_unpacklo_epi16(_mm512_setzero_si512(), x));
+    high = _mm512_castsi512_ps(_mm512_unpackhi_epi16(_mm512_setzero_si512(), x));
+  }
+  // 32 floats in unpack_rows' order -> natural order, in place.
+  static void unpacked_to_natural(float* slice) {
+    const __m512 low = _mm512_loadu_ps(slice), high = _mm512_loadu_ps(slice + 16);
+    // natural dims 8k..8k+7 = low lanes 4k..4k+3, then high lanes 4k..4k+3
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    _mm512_storeu_ps(slice, _mm512_permutex2var_ps(low, first, high));
+    _mm512_storeu_ps(slice + 16, _mm512_permutex2var_ps(low, second, high));
+  }
   // Two token rows of `dims` (a multiple of 32) bf16 -> [dims][2] pairs (a's element first); b null: zeros.
   static void interleave_rows(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t dims) {
     alignas(64) static const uint16_t zeros[32] = {};
