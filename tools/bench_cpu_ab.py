@@ -14,12 +14,14 @@ kernel's own seconds (its return value: no Python), and each median over the fir
 
 The contestants are every combination of --builds, --variants (each build's file copied per variant,
 so each copy keeps its own selection), --block-sizes, --run-blocks (a sequence's blocks in runs of
-that many consecutive physical ids, the runs shuffled) and --chunk-tokens (the work item), in that
-order; --threads sets every build's pool. For example one build's variants, or one build on two
-layouts:
+that many consecutive physical ids, the runs shuffled), --pages (the KV copies in 4 KB pages, as torch
+allocates them, or in private memory advised for 2 MB transparent huge pages) and --chunk-tokens (the
+work item), in that order; --threads sets every build's pool. For example one build's variants, or
+one build on two layouts, or on two page sizes:
 
     python tools/bench_cpu_ab.py --builds core/_cpu*.so --variants avx2 avx512 avx512bf16
     python tools/bench_cpu_ab.py --builds core/_cpu*.so --block-sizes 16 64 --run-blocks 16 2048
+    python tools/bench_cpu_ab.py --builds core/_cpu*.so --pages 4k 2m
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import dataclasses
 import importlib.util
 import itertools
 import logging
+import mmap
 import os
 import shutil
 import statistics
@@ -79,7 +82,59 @@ class Contestant:
     variant: str | None
     block_size: int
     run_blocks: int
+    pages: str  # "4k": the copies as torch allocates them; "2m": advised for transparent huge pages
     chunk_tokens: int | None  # None: the kernel sizes its work items itself
+
+
+_HUGE_PAGE_BYTES = 2 << 20
+_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_enabled() -> bool:
+    """Whether this host gives private memory transparent huge pages when asked (madvise)."""
+    try:
+        with open(_THP_SETTING) as setting:
+            return "[never]" not in setting.read()
+    except OSError:
+        return False
+
+
+def anon_huge_page_bytes() -> int:
+    """Bytes of this host's private memory in transparent huge pages (/proc/meminfo AnonHugePages)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class HugePageArrays:
+    """Tensors copied into private anonymous mappings advised MADV_HUGEPAGE, 2 MB aligned; the
+    mappings live as long as this object."""
+
+    def __init__(self):
+        self._mappings = []
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of `tensor` in huge-page-advised memory."""
+        nbytes = tensor.numel() * tensor.element_size()
+        size = -(-nbytes // _HUGE_PAGE_BYTES) * _HUGE_PAGE_BYTES + _HUGE_PAGE_BYTES  # room to align
+        mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+        self._mappings.append(mapping)
+        raw = torch.frombuffer(mapping, dtype=torch.uint8)
+        start = -raw.data_ptr() % _HUGE_PAGE_BYTES
+        placed = raw[start:start + nbytes].view(tensor.dtype).view(tensor.shape)
+        placed.copy_(tensor)
+        return placed
+
+    def source(self, shape, source: ops.KVSource) -> ops.KVSource:
+        """`source` (as cache_source lays it out: [num_kv_heads, num_blocks, ...] storage seen
+        through a transpose) with its K and V storage moved here."""
+        k_cache = self.copy(source.k_cache.transpose(0, 1).contiguous()).transpose(0, 1)
+        v_cache = (k_cache[..., : shape.head_dim_v] if shape.v_in_k
+                   else self.copy(source.v_cache.transpose(0, 1).contiguous()).transpose(0, 1))
+        return ops.KVSource(k_cache, v_cache, source.block_table, source.seq_lens)
 
 
 def call(module, q, source: ops.KVSource, scale: float, out, lse, chunk_tokens: int | None = None) -> float:
@@ -97,16 +152,22 @@ def measure(contestants: list[Contestant], modules: list, shape, seq_len: int, c
     q, k, v = make_inputs(shape, seq_len)
     scale = shape.head_dim_qk**-0.5
     num_copies = copies_for(shape, seq_len, cold_bytes)
-    layouts = dict.fromkeys((c.block_size, c.run_blocks) for c in contestants)
-    sources = {(block_size, run_blocks): [cache_source(shape, k, v, torch.Generator().manual_seed(i), run_blocks,
-                                                       block_size) for i in range(num_copies)]
-               for block_size, run_blocks in layouts}
+    layouts = dict.fromkeys((c.block_size, c.run_blocks, c.pages) for c in contestants)
+    huge = HugePageArrays()
+    huge_before = anon_huge_page_bytes()
+    sources = {}
+    for block_size, run_blocks, pages in layouts:
+        copies = [cache_source(shape, k, v, torch.Generator().manual_seed(i), run_blocks, block_size)
+                  for i in range(num_copies)]
+        sources[block_size, run_blocks, pages] = copies if pages == "4k" else [huge.source(shape, c) for c in copies]
+    if any(pages == "2m" for _, _, pages in layouts):
+        log.info("KV copies in transparent huge pages: %.0f MiB", (anon_huge_page_bytes() - huge_before) / 2**20)
     out = torch.empty((1, shape.num_q_heads, shape.head_dim_v))
     lse = torch.empty((1, shape.num_q_heads))
     ref_out, ref_lse = ops.partial_attention(q, k, v, scale=scale, backend="torch")
     for contestant, module in zip(contestants, modules, strict=True):
-        call(module, q[None], sources[contestant.block_size, contestant.run_blocks][0], scale, out, lse,
-             contestant.chunk_tokens)
+        call(module, q[None], sources[contestant.block_size, contestant.run_blocks, contestant.pages][0], scale, out,
+             lse, contestant.chunk_tokens)
         # a build on its bf16-dot path rounds the probabilities to bf16 (see ops.cpu_rounds_probabilities)
         rounds_probabilities = getattr(module, "uses_bf16_dot", lambda: False)()
         rounding = reference.probability_rounding_atol(v) if rounds_probabilities else 0.0
@@ -117,7 +178,7 @@ def measure(contestants: list[Contestant], modules: list, shape, seq_len: int, c
     turn = 0
     for _ in range(rounds):
         for contestant, module, (walls, kernels) in zip(contestants, modules, times, strict=True):
-            copies = sources[contestant.block_size, contestant.run_blocks]
+            copies = sources[contestant.block_size, contestant.run_blocks, contestant.pages]
             for _ in range(calls_per_turn):
                 source = copies[turn % num_copies]
                 turn += 1
@@ -135,6 +196,7 @@ def summarize(contestants: list[Contestant], modules: list, times, shape, seq_le
         median = statistics.median(walls)
         rows.append({"build": contestant.build, "variant": getattr(module, "__cpu_variant__", "?"),
                      "block_size": contestant.block_size, "run_blocks": contestant.run_blocks,
+                     "pages": contestant.pages,
                      "chunk_tokens": contestant.chunk_tokens, "threads": threads or module.num_threads(),
                      "shape": shape.name, "seq_len": seq_len, "calls": len(walls),
                      "median_ms": median * 1e3, "p10_ms": sorted(walls)[len(walls) // 10] * 1e3,
@@ -144,9 +206,10 @@ def summarize(contestants: list[Contestant], modules: list, times, shape, seq_le
 
 
 def contestants_of(args) -> list[Contestant]:
-    return [Contestant(build, variant, block_size, run_blocks, chunk_tokens)
-            for build, variant, block_size, run_blocks, chunk_tokens in itertools.product(
-                args.builds, args.variants or [None], args.block_sizes, args.run_blocks, args.chunk_tokens or [None])]
+    return [Contestant(build, variant, block_size, run_blocks, pages, chunk_tokens)
+            for build, variant, block_size, run_blocks, pages, chunk_tokens in itertools.product(
+                args.builds, args.variants or [None], args.block_sizes, args.run_blocks, args.pages,
+                args.chunk_tokens or [None])]
 
 
 def load(contestants: list[Contestant], workdir: str) -> list:
@@ -176,6 +239,9 @@ def check_args(parser, args, shape) -> None:
         parser.error(f"--seq-len {args.seq_len} must be a multiple of every block size, not of {uneven}")
     if args.cold_mib < 0:
         parser.error(f"--cold-mib must be >= 0, got {args.cold_mib}")
+    if "2m" in args.pages and not huge_pages_enabled():
+        parser.error(f"--pages 2m: this host gives no transparent huge pages ({_THP_SETTING} is [never]); "
+                     f"allowed here: 4k")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -190,6 +256,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--block-sizes", nargs="+", type=int, default=[16], help="tokens per KV block")
     parser.add_argument("--run-blocks", nargs="+", type=int, default=[16],
                         help="consecutive physical blocks per run (16: one window flush; 1: every block shuffled)")
+    parser.add_argument("--pages", nargs="+", default=["4k"], choices=["4k", "2m"],
+                        help="page size of the KV copies: 4k as torch allocates them, 2m advised for transparent "
+                             "huge pages")
     parser.add_argument("--chunk-tokens", nargs="+", type=int, default=None,
                         help="tokens per work item (default: sized by the kernel)")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads of every build (default: theirs)")
@@ -211,9 +280,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         times = measure(contestants, modules, shape, args.seq_len, args.cold_mib << 20, args.rounds)
     rows = summarize(contestants, modules, times, shape, args.seq_len, args.threads)
     for row in rows:
-        log.info("%s L=%d %s (variant %s, block %d, runs of %d, chunk %s, %d threads): median %.3f ms, p10 %.3f ms, "
-                 "kernel %.3f ms, %.1f GB/s, %.2fx the first", row["shape"], row["seq_len"], row["build"],
-                 row["variant"], row["block_size"], row["run_blocks"], row["chunk_tokens"] or "auto", row["threads"],
+        log.info("%s L=%d %s (variant %s, block %d, runs of %d, %s pages, chunk %s, %d threads): median %.3f ms, "
+                 "p10 %.3f ms, kernel %.3f ms, %.1f GB/s, %.2fx the first", row["shape"], row["seq_len"], row["build"],
+                 row["variant"], row["block_size"], row["run_blocks"], row["pages"], row["chunk_tokens"] or "auto",
+                 row["threads"],
                  row["median_ms"], row["p10_ms"], row["kernel_ms"], row["kv_gbps"], row["speedup_vs_first"])
     if args.out:
         write_json(args.out, {"rows": rows, "rounds": args.rounds, "cold_mib": args.cold_mib})

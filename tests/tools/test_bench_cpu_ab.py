@@ -5,9 +5,11 @@ import json
 import shutil
 
 import pytest
+import torch
 
-from writescope import _cpu
+from writescope import _cpu, ops
 from writescope.tools import bench_cpu_ab
+from writescope.tools.bench_cpu_attention import SHAPES, cache_source, make_inputs
 
 
 @pytest.fixture
@@ -71,6 +73,7 @@ def test_a_variant_this_cpu_does_not_run_is_refused_by_name(two_builds, capsys):
     (["--builds", "x", "--threads", "0"], "--threads must be >= 1"),
     (["--builds", "x", "--rounds", "0"], "--rounds must be >= 1"),
     (["--builds", "x", "--cold-mib", "-1"], "--cold-mib must be >= 0"),
+    (["--builds", "x", "--pages", "1g"], "invalid choice: '1g'"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -97,3 +100,30 @@ def test_mla_takes_any_block_size(two_builds):
     rows = bench_cpu_ab.main(["--builds", two_builds[0], "--shape", "deepseek-v2-lite-mla", "--seq-len", "255",
                               "--block-sizes", "17", "--cold-mib", "1", "--rounds", "1"])
     assert rows[0]["block_size"] == 17 and rows[0]["kernel_ms"] > 0
+
+
+@pytest.mark.parametrize("shape_name", ["mixtral", "deepseek-v2-lite-mla"])
+def test_huge_page_copies_hold_the_same_kv(shape_name):
+    """A source moved into huge-page-advised memory: 2 MB aligned, the same bytes in the same layout,
+    so the kernel gives the same result to the bit (MLA's V stays a view inside its K)."""
+    shape = next(s for s in SHAPES if s.name == shape_name)
+    q, k, v = make_inputs(shape, 256)
+    source = cache_source(shape, k, v, torch.Generator().manual_seed(0), 4)
+    huge = bench_cpu_ab.HugePageArrays()
+    moved = huge.source(shape, source)
+    assert moved.k_cache.data_ptr() % (2 << 20) == 0
+    assert moved.k_cache.stride() == source.k_cache.stride() and moved.v_cache.stride() == source.v_cache.stride()
+    assert torch.equal(moved.k_cache, source.k_cache) and torch.equal(moved.v_cache, source.v_cache)
+    assert (moved.v_cache.data_ptr() == moved.k_cache.data_ptr()) == shape.v_in_k
+    scale = shape.head_dim_qk**-0.5
+    out, lse, _ = ops.cpu_paged_attention_timed(q[None], source, scale)
+    moved_out, moved_lse, _ = ops.cpu_paged_attention_timed(q[None], moved, scale)
+    assert torch.equal(out, moved_out) and torch.equal(lse, moved_lse)
+
+
+@pytest.mark.skipif(not bench_cpu_ab.huge_pages_enabled(), reason="this host gives no transparent huge pages")
+def test_page_sizes_are_contestants_too(two_builds):
+    rows = bench_cpu_ab.main(["--builds", two_builds[0], "--shape", "qwen3-moe", "--seq-len", "256",
+                              "--pages", "4k", "2m", "--cold-mib", "1", "--rounds", "1"])
+    assert [row["pages"] for row in rows] == ["4k", "2m"]
+    assert all(row["kernel_ms"] > 0 for row in rows)
