@@ -61,4 +61,12 @@ NUMA_NODES = EnvVar(
     "a positive integer, at most the number of CPUs",
 )
 
-ALL = (CPU_VARIANT, NUM_THREADS, POOL_SPIN_US, TRITON_INTERPRET, CACHE_DIR, NUMA_NODES)
+HUGE_PAGES = EnvVar(
+    "WRITESCOPE_HUGE_PAGES",
+    "Lays the host KV regions out in 2 MB pages advised for transparent huge pages (default auto: where "
+    "/sys/kernel/mm/transparent_hugepage/shmem_enabled is not never or deny). Each region segment is then "
+    "2 MB or more per layer, kv head and array; a host whose setting is never still gives 4 KB pages.",
+    "auto, on or off",
+)
+
+ALL = (CPU_VARIANT, NUM_THREADS, POOL_SPIN_US, TRITON_INTERPRET, CACHE_DIR, NUMA_NODES, HUGE_PAGES)

@@ -36,7 +36,7 @@ from writescope import ops
 from writescope.block_allocator import BlockAllocator, CapacityError
 from writescope.block_tables import BlockTables
 from writescope.kv_format import PAIRED, KVFormat, from_paired, to_paired
-from writescope.kv_regions import HostMemoryError, HostRegion, check_segment_blocks
+from writescope.kv_regions import HUGE_PAGE_BYTES, PAGE_BYTES, HostMemoryError, HostRegion, check_segment_blocks
 from writescope.ops import KVSource
 from writescope.pingpong import PingPong, TransferChunk, plan_chunks
 from writescope.policies import Policy, Region
@@ -60,6 +60,7 @@ class CacheConfig:
     host_kv_bytes: int | None = None  # host memory the KV may take at most (None: what the regions hold)
     host_limit_source: str = ""  # where host_kv_bytes comes from, for messages
     shard_nodes: tuple[int, ...] | None = None  # NUMA node of each cpu_compute shard's memory (None: unbound)
+    huge_pages: bool = False  # host regions laid out in 2 MB pages and advised for them (HostRegion.create)
 
     def __post_init__(self):
         if self.max_blocks_per_seq is None:
@@ -76,9 +77,13 @@ class CacheConfig:
             raise ValueError(f"window_tokens ({self.window_tokens}) must be a multiple of block_size "
                              f"({self.format.block_size}): a full window flushes as whole blocks")
         for kind, blocks in (("cpu_compute", self.compute_blocks_per_shard), ("cpu_transfer", self.transfer_blocks)):
-            check_segment_blocks(self.format, kind, blocks, self.region_segment_blocks(kind))
+            check_segment_blocks(self.format, kind, blocks, self.region_segment_blocks(kind), self.page_bytes)
         if self.shard_nodes is not None and len(self.shard_nodes) != self.num_shards:
             raise ValueError(f"shard_nodes {self.shard_nodes} must name one NUMA node per shard ({self.num_shards})")
+
+    @property
+    def page_bytes(self) -> int:
+        return HUGE_PAGE_BYTES if self.huge_pages else PAGE_BYTES
 
     def region_blocks(self, kind: str) -> int:
         return self.compute_blocks_per_shard if kind == "cpu_compute" else self.transfer_blocks
@@ -819,7 +824,8 @@ def host_memory_available() -> tuple[int, str]:
 def create_region(config: CacheConfig, kind: str, shard: int = 0, **options) -> HostRegion:
     """A host region as config sizes it (options: HostRegion.create's pin and label)."""
     return HostRegion.create(kind, config.format, config.region_blocks(kind),
-                             segment_blocks=config.region_segment_blocks(kind), shard=shard, **options)
+                             segment_blocks=config.region_segment_blocks(kind), shard=shard,
+                             huge_pages=config.huge_pages, **options)
 
 
 def _release_idle_segments(region: HostRegion, alloc: BlockAllocator) -> None:
@@ -874,11 +880,12 @@ def _attach_regions(config: CacheConfig, compute_handles, transfer_handle):
             regions.append(region)
             got = region.handle
             num_blocks, segment_blocks = config.region_blocks(kind), config.region_segment_blocks(kind)
-            if (got.kind, got.shard, got.num_blocks, got.segment_blocks, got.format) != (
-                    kind, shard, num_blocks, segment_blocks, config.format):
+            if (got.kind, got.shard, got.num_blocks, got.segment_blocks, got.format, got.page_bytes) != (
+                    kind, shard, num_blocks, segment_blocks, config.format, config.page_bytes):
                 raise ValueError(f"region {got.shm_name!r} is {got.kind} shard {got.shard} of {got.num_blocks} "
-                                 f"blocks in segments of {got.segment_blocks}; this cache needs {kind} shard {shard} "
-                                 f"of {num_blocks} blocks in segments of {segment_blocks} in {config.format}")
+                                 f"blocks in segments of {got.segment_blocks}, pages of {got.page_bytes} bytes; this "
+                                 f"cache needs {kind} shard {shard} of {num_blocks} blocks in segments of "
+                                 f"{segment_blocks}, pages of {config.page_bytes} bytes, in {config.format}")
     except BaseException:
         for region in regions:
             region.close()

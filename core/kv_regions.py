@@ -24,6 +24,7 @@ region sees a new segment at once, at the same offsets.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import mmap
@@ -35,19 +36,48 @@ import msgpack
 import numpy as np
 import torch
 
+from writescope import env
 from writescope.kv_format import HOST_REGIONS, LAYOUTS, KVFormat
 
 log = logging.getLogger(__name__)
 
-_ALIGN_BYTES = 4096
+_ALIGN_BYTES = PAGE_BYTES = 4096
+# A region in huge pages lays every run of a segment out in whole 2 MB pages (see HostRegion.create).
+HUGE_PAGE_BYTES = 2 * 2**20
+_SHMEM_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
+# madvise(MADV_POPULATE_WRITE) (Linux 5.14): faults pages in through the mapping, so they take the
+# mapping's huge-page advice; Python's mmap module does not name it.
+_MADV_POPULATE_WRITE = 23
 # Target bytes of one segment of a region (every layer and stored array of its blocks): large enough
 # that committing one is rare and cheap per byte, small next to a host's memory.
 SEGMENT_BYTES = 16 * 2**20
 _NUMPY_STORAGE = {"bfloat16": np.int16, "float16": np.float16, "float32": np.float32}
 
 
-def _align(n: int) -> int:
-    return -(-n // _ALIGN_BYTES) * _ALIGN_BYTES
+def _align(n: int, page_bytes: int = _ALIGN_BYTES) -> int:
+    return -(-n // page_bytes) * page_bytes
+
+
+def huge_pages_wanted() -> bool:
+    """Whether host regions are laid out in huge pages: WRITESCOPE_HUGE_PAGES on or off, else (auto)
+    where the host gives shared memory huge pages."""
+    value = (env.HUGE_PAGES.get() or "auto").lower()
+    if value not in ("auto", "on", "off"):
+        raise ValueError(f"{env.HUGE_PAGES.name} must be auto, on or off, got {value!r}")
+    return host_huge_pages() if value == "auto" else value == "on"
+
+
+def host_huge_pages() -> bool:
+    """Whether this host gives shared memory transparent huge pages (shmem_enabled is not never or
+    deny). Where it does, a memfd region's pages become 2 MB folios as they are allocated: committing a
+    32 KB run took a whole 2 MB page (a 16 MB segment of a 32-layer, 8-head model: up to 1 GiB), so a
+    region there is laid out in huge pages or advised against them."""
+    try:
+        with open(_SHMEM_THP_SETTING) as setting:
+            selected = setting.read().split("[", 1)[1].split("]", 1)[0]
+    except (OSError, IndexError):
+        return False
+    return selected not in ("never", "deny")
 
 
 class Segment:
@@ -59,9 +89,10 @@ class Segment:
     """
 
     def __init__(self, name: str, mapping: mmap.mmap, size: int, owner_pid: int, fd: int, owned: bool,
-                 local_fd: int):
+                 local_fd: int, huge_pages: bool = False):
         self.name = name
         self.buf = mapping
+        self.huge_pages = huge_pages
         self.size = size
         self.owner_pid = owner_pid
         self.fd = fd  # the creator's descriptor number (open in this process only if owned)
@@ -69,7 +100,9 @@ class Segment:
         self._local_fd = local_fd  # open here: the creator's own, or one opened through /proc
 
     @classmethod
-    def create(cls, name: str, size: int) -> Segment:
+    def create(cls, name: str, size: int, huge_pages: bool = False) -> Segment:
+        """huge_pages: the mapping advised for transparent huge pages, else advised against them (a
+        host whose shmem_enabled is `always` would otherwise give them to it anyway)."""
         fd = os.memfd_create(name, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
@@ -77,10 +110,11 @@ class Segment:
         except BaseException:
             os.close(fd)
             raise
-        return cls(name, mapping, size, os.getpid(), fd, owned=True, local_fd=fd)
+        _advise_pages(mapping, huge_pages)
+        return cls(name, mapping, size, os.getpid(), fd, owned=True, local_fd=fd, huge_pages=huge_pages)
 
     @classmethod
-    def attach(cls, name: str, owner_pid: int, fd: int, size: int) -> Segment:
+    def attach(cls, name: str, owner_pid: int, fd: int, size: int, huge_pages: bool = False) -> Segment:
         """ValueError when the creator is gone, the descriptor is not that segment, or it is smaller than size."""
         path = f"/proc/{owner_pid}/fd/{fd}"
         try:
@@ -102,7 +136,8 @@ class Segment:
         except BaseException:
             os.close(local_fd)
             raise
-        return cls(name, mapping, size, owner_pid, fd, owned=False, local_fd=local_fd)
+        _advise_pages(mapping, huge_pages)  # a huge page is mapped whole only where the mapping allows it
+        return cls(name, mapping, size, owner_pid, fd, owned=False, local_fd=local_fd, huge_pages=huge_pages)
 
     @property
     def address(self) -> int:
@@ -111,9 +146,17 @@ class Segment:
 
     def allocate(self, offset: int, length: int) -> None:
         """Allocates the pages of [offset, offset + length) now (under the range's NUMA policy, if
-        set); HostMemoryError when the host cannot give them."""
+        set); HostMemoryError when the host cannot give them, not a SIGBUS on a later write. They are
+        faulted in through this mapping, so they follow its huge-page advice: fallocate has no mapping
+        to follow, and gives small pages under shmem_enabled=advise and a whole 2 MB page for any run
+        under always. A kernel before 5.14 (no MADV_POPULATE_WRITE) fallocates."""
         try:
-            os.posix_fallocate(self._local_fd, offset, length)
+            try:
+                self.buf.madvise(_MADV_POPULATE_WRITE, offset, length)
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+                os.posix_fallocate(self._local_fd, offset, length)
         except OSError as error:
             raise HostMemoryError(f"segment {self.name!r}: {length / 2**20:.1f} MiB of host memory could not be "
                                   f"allocated ({error.strerror}): the host KV limit is above what this machine "
@@ -141,6 +184,13 @@ class Segment:
             self.fd = -1
 
 
+def _advise_pages(mapping: mmap.mmap, huge_pages: bool) -> None:
+    """Advises a segment's mapping for or against transparent huge pages (a kernel without THP refuses
+    the advice: nothing to do there)."""
+    with contextlib.suppress(OSError):
+        mapping.madvise(mmap.MADV_HUGEPAGE if huge_pages else mmap.MADV_NOHUGEPAGE)
+
+
 class HostMemoryError(MemoryError):
     """The host could not give the pages of a KV segment being committed."""
 
@@ -165,6 +215,7 @@ class RegionHandle:
     format: KVFormat
     pinned: bool = False
     block_table: tuple[int, ...] = field(default=())  # optional: one sequence's blocks in this region
+    page_bytes: int = _ALIGN_BYTES  # the region's page: 4 KB, or 2 MB where it is laid out in huge pages
 
     def __post_init__(self):
         self.validate()
@@ -180,7 +231,9 @@ class RegionHandle:
             raise ValueError(f"handle shm_name must be a non-empty string, got {self.shm_name!r}")
         if self.shard < 0 or self.num_blocks < 0:
             raise ValueError(f"handle shard ({self.shard}) and num_blocks ({self.num_blocks}) must be >= 0")
-        check_segment_blocks(self.format, self.kind, self.num_blocks, self.segment_blocks)
+        if self.page_bytes not in (_ALIGN_BYTES, HUGE_PAGE_BYTES):
+            raise ValueError(f"handle page_bytes must be {_ALIGN_BYTES} or {HUGE_PAGE_BYTES}, got {self.page_bytes}")
+        check_segment_blocks(self.format, self.kind, self.num_blocks, self.segment_blocks, self.page_bytes)
         if self.owner_pid < 1 or self.fd < 0:
             raise ValueError(f"handle owner_pid ({self.owner_pid}) must be >= 1 and fd ({self.fd}) >= 0")
         stored = self.format.stored_arrays
@@ -189,8 +242,9 @@ class RegionHandle:
         end = 0
         for offset, (array, dim) in zip(self.offsets, stored, strict=True):
             nbytes = _array_bytes(self.format, self.kind, self.num_blocks, dim, array)
-            if offset < end or offset % _ALIGN_BYTES:
-                raise ValueError(f"handle offset {offset} overlaps the previous array or is not {_ALIGN_BYTES}-aligned")
+            if offset < end or offset % self.page_bytes:
+                raise ValueError(f"handle offset {offset} overlaps the previous array or is not "
+                                 f"{self.page_bytes}-aligned")
             end = offset + nbytes
         if end > self.segment_bytes:
             raise ValueError(f"handle arrays end at byte {end}, past the segment's {self.segment_bytes} bytes")
@@ -216,7 +270,7 @@ class RegionHandle:
         if not isinstance(data, dict) or set(data) != expected:
             got = sorted(data) if isinstance(data, dict) else type(data).__name__
             raise ValueError(f"a region handle needs the fields {sorted(expected)}, got {got}")
-        ints = ("owner_pid", "fd", "shard", "num_blocks", "segment_blocks", "segment_bytes")
+        ints = ("owner_pid", "fd", "shard", "num_blocks", "segment_blocks", "segment_bytes", "page_bytes")
         if not all(isinstance(data[k], int) for k in ints) or not isinstance(data["pinned"], bool):
             raise ValueError(f"handle fields {ints} must be integers and pinned a bool")
         for key, kind in (("offsets", int), ("block_table", int), ("layout", str)):
@@ -248,30 +302,32 @@ def _run_bytes(fmt: KVFormat, kind: str, head_dim: int, array: str) -> int:
     return int(np.prod(shape[_BLOCK_AXIS[kind] + 1:])) * fmt.itemsize
 
 
-def segment_blocks_for(fmt: KVFormat, target_bytes: int = SEGMENT_BYTES) -> int:
+def segment_blocks_for(fmt: KVFormat, target_bytes: int = SEGMENT_BYTES, page_bytes: int = _ALIGN_BYTES) -> int:
     """Blocks per segment: about target_bytes of KV (every layer and stored array), a multiple of the
-    count that makes each of a segment's runs whole pages in both host regions (so a segment can be
-    committed and released without touching its neighbours' pages)."""
+    count that makes each of a segment's runs whole pages of page_bytes in both host regions (so a
+    segment can be committed and released without touching its neighbours' pages). In 2 MB pages a
+    segment is 2 MB or more per layer, kv head and array: 1 GiB for a 32-layer model of 8 kv heads."""
     step = 1
     for kind in _BLOCK_AXIS:
         for array, dim in fmt.stored_arrays:
             run = _run_bytes(fmt, kind, dim, array)
-            step = math.lcm(step, _ALIGN_BYTES // math.gcd(_ALIGN_BYTES, run))
+            step = math.lcm(step, page_bytes // math.gcd(page_bytes, run))
     return max(step, target_bytes // fmt.nbytes("cpu_transfer", 1) // step * step)
 
 
-def check_segment_blocks(fmt: KVFormat, kind: str, num_blocks: int, segment_blocks: int) -> None:
-    """ValueError unless segment_blocks divides num_blocks and each segment's runs are whole pages
-    (a region of one segment may end inside a page: nothing else lives there)."""
+def check_segment_blocks(fmt: KVFormat, kind: str, num_blocks: int, segment_blocks: int,
+                         page_bytes: int = _ALIGN_BYTES) -> None:
+    """ValueError unless segment_blocks divides num_blocks and each segment's runs are whole pages of
+    page_bytes (a region of one segment may end inside a page: nothing else lives there)."""
     if segment_blocks < 1 or num_blocks % segment_blocks:
         raise ValueError(f"segment_blocks ({segment_blocks}) must be >= 1 and divide num_blocks ({num_blocks})")
     if num_blocks in (0, segment_blocks):
         return
     for array, dim in fmt.stored_arrays:
-        if segment_blocks * _run_bytes(fmt, kind, dim, array) % _ALIGN_BYTES:
+        if segment_blocks * _run_bytes(fmt, kind, dim, array) % page_bytes:
             raise ValueError(f"segment_blocks ({segment_blocks}) cuts {kind}'s {array} runs of "
-                             f"{_run_bytes(fmt, kind, dim, array)} bytes off page boundaries ({_ALIGN_BYTES}); "
-                             f"use a multiple of {segment_blocks_for(fmt, 0)}")
+                             f"{_run_bytes(fmt, kind, dim, array)} bytes off page boundaries ({page_bytes}); "
+                             f"use a multiple of {segment_blocks_for(fmt, 0, page_bytes)}")
 
 
 class HostRegion:
@@ -299,21 +355,24 @@ class HostRegion:
 
     @classmethod
     def create(cls, kind: str, fmt: KVFormat, num_blocks: int, *, segment_blocks: int | None = None, shard: int = 0,
-               pin: bool | None = None, label: str = "cache") -> HostRegion:
+               pin: bool | None = None, label: str = "cache", huge_pages: bool = False) -> HostRegion:
         """segment_blocks: blocks per segment (None: the region is one segment). label names the
-        segment (with kind, shard and a random suffix) in /proc/PID/maps."""
+        segment (with kind, shard and a random suffix) in /proc/PID/maps. huge_pages: the arrays and
+        every segment's runs in whole 2 MB pages, the mapping advised for transparent huge pages (a
+        host whose shmem_enabled is never gives 4 KB pages all the same)."""
+        page_bytes = HUGE_PAGE_BYTES if huge_pages else _ALIGN_BYTES
         segment_blocks = max(num_blocks, 1) if segment_blocks is None else segment_blocks
-        check_segment_blocks(fmt, kind, num_blocks, segment_blocks)
+        check_segment_blocks(fmt, kind, num_blocks, segment_blocks, page_bytes)
         offsets, end = [], 0
         for array, dim in fmt.stored_arrays:
             offsets.append(end)
-            end = _align(end + _array_bytes(fmt, kind, num_blocks, dim, array))
+            end = _align(end + _array_bytes(fmt, kind, num_blocks, dim, array), page_bytes)
         pin = torch.cuda.is_available() and kind == "cpu_transfer" if pin is None else pin
-        segment = Segment.create(segment_name(f"{label}_{kind}_{shard}"), max(end, 1))
+        segment = Segment.create(segment_name(f"{label}_{kind}_{shard}"), max(end, 1), huge_pages)
         handle = RegionHandle(kind=kind, shm_name=segment.name, owner_pid=segment.owner_pid, fd=segment.fd,
                               shard=shard, num_blocks=num_blocks, segment_blocks=segment_blocks,
                               segment_bytes=segment.size, offsets=tuple(offsets), layout=LAYOUTS[kind], format=fmt,
-                              pinned=pin)
+                              pinned=pin, page_bytes=page_bytes)
         return cls(segment, handle)
 
     @classmethod
@@ -321,12 +380,18 @@ class HostRegion:
         if isinstance(handle, bytes | bytearray):
             handle = RegionHandle.from_bytes(bytes(handle))
         handle.validate()
-        return cls(Segment.attach(handle.shm_name, handle.owner_pid, handle.fd, handle.segment_bytes), handle)
+        segment = Segment.attach(handle.shm_name, handle.owner_pid, handle.fd, handle.segment_bytes,
+                                 huge_pages=handle.page_bytes == HUGE_PAGE_BYTES)
+        return cls(segment, handle)
 
     # ---------------------------------------------------------------- segments
     @property
     def segment_blocks(self) -> int:
         return self.handle.segment_blocks
+
+    @property
+    def page_bytes(self) -> int:
+        return self.handle.page_bytes
 
     @property
     def num_segments(self) -> int:
@@ -360,17 +425,17 @@ class HostRegion:
             from writescope.numa_memory import bind_to_node
 
             for start, length in ranges:
-                bind_to_node(self.address + start, _align(length), node)
+                bind_to_node(self.address + start, _align(length, self.page_bytes), node)
         try:
             for start, length in ranges:
                 self._segment.allocate(start, length)
         except HostMemoryError:  # the runs allocated so far go back: the segment stays uncommitted
             for start, length in ranges:
-                self._segment.release(start, _align(length))
+                self._segment.release(start, _align(length, self.page_bytes))
             raise
         if self.handle.pinned and torch.cuda.is_available():
             self._pinned[index] = [self.address + start for start, length in ranges
-                                   if _pin(self.address + start, _align(length))]
+                                   if _pin(self.address + start, _align(length, self.page_bytes))]
         self.committed.add(index)
 
     def release(self, index: int) -> None:
@@ -382,7 +447,7 @@ class HostRegion:
         for address in self._pinned.pop(index, []):
             _unpin(address)
         for start, length in self.segment_ranges(index):
-            self._segment.release(start, _align(length))
+            self._segment.release(start, _align(length, self.page_bytes))
 
     def release_all(self) -> None:
         """Every page of the region goes back, in one call (a cache starting on attached regions:

@@ -11,7 +11,7 @@ import torch
 
 from writescope.inplace_kv_cache import CacheConfig
 from writescope.kv_format import DTYPE_NAMES, DTYPES
-from writescope.kv_regions import segment_blocks_for
+from writescope.kv_regions import HUGE_PAGE_BYTES, PAGE_BYTES, huge_pages_wanted, segment_blocks_for
 from writescope.models.checkpoint import load_config, load_weights
 from writescope.models.config import ModelConfig
 from writescope.models.presets import PRESETS, byte_level_tokenizer, preset_config, preset_weights
@@ -75,23 +75,28 @@ PINGPONG_BUFFER_BYTES = 512 * 2**20
 
 
 def engine_cache_config(config: ModelConfig, torch_dtype, *, block_size: int, max_batch_size: int, max_seq_len: int,
-                        num_shards: int, window_tokens: int, pingpong_blocks: int | None, device: str) -> CacheConfig:
+                        num_shards: int, window_tokens: int, pingpong_blocks: int | None, device: str,
+                        huge_pages: bool | None = None) -> CacheConfig:
     """Regions sized so that max_batch_size sequences of max_seq_len fit under any policy (address
     space: a region takes memory segment by segment, as KV is placed in it), in whole segments of
-    about SEGMENT_BYTES; ping-pong buffers of pingpong_blocks blocks (None: every transfer block of a
-    layer, up to PINGPONG_BUFFER_BYTES)."""
+    about SEGMENT_BYTES (in 2 MB pages: of at least 2 MB per layer, kv head and array); ping-pong
+    buffers of pingpong_blocks blocks (None: every transfer block of a layer, up to
+    PINGPONG_BUFFER_BYTES). huge_pages None: as WRITESCOPE_HUGE_PAGES says (by default where the host
+    gives shared memory huge pages)."""
     fmt = kv_format(config, torch_dtype, block_size)
+    huge_pages = huge_pages_wanted() if huge_pages is None else huge_pages
+    page_bytes = HUGE_PAGE_BYTES if huge_pages else PAGE_BYTES
     blocks_per_seq = -(-max_seq_len // block_size)
     blocks = max_batch_size * blocks_per_seq
-    step = segment_blocks_for(fmt, 0)  # the smallest segment whose runs are whole pages
-    segment_blocks = min(segment_blocks_for(fmt), -(-blocks // step) * step)
+    step = segment_blocks_for(fmt, 0, page_bytes)  # the smallest segment whose runs are whole pages
+    segment_blocks = min(segment_blocks_for(fmt, page_bytes=page_bytes), -(-blocks // step) * step)
     if pingpong_blocks is None:
         pingpong_blocks = PINGPONG_BUFFER_BYTES // (fmt.nbytes("gpu_pingpong", 1) // 2)
     return CacheConfig(fmt, compute_blocks_per_shard=_whole(-(-blocks // num_shards), segment_blocks),
                        transfer_blocks=_whole(blocks, segment_blocks), max_seqs=max_batch_size,
                        pingpong_blocks=max(1, min(pingpong_blocks, blocks)), num_shards=num_shards,
                        window_tokens=window_tokens, device=device, max_blocks_per_seq=blocks_per_seq,
-                       segment_blocks=segment_blocks)
+                       segment_blocks=segment_blocks, huge_pages=huge_pages)
 
 
 def _whole(blocks: int, segment_blocks: int) -> int:

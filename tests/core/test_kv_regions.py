@@ -15,7 +15,8 @@ import torch
 
 from tests.processes import processes_mapping
 from writescope.kv_format import KVFormat
-from writescope.kv_regions import HostRegion, RegionHandle
+from writescope import kv_regions
+from writescope.kv_regions import HUGE_PAGE_BYTES, HostRegion, RegionHandle, segment_blocks_for
 from writescope.numa_memory import page_nodes
 from writescope.topology import read_topology
 
@@ -95,6 +96,8 @@ def tamper(handle, **changes):
     ({"offsets": 5}, "offsets must be a list of int"),
     ({"block_table": ["x"]}, "block_table must be a list of int"),
     ({"layout": [1, 2]}, "layout must be a list of str"),
+    ({"page_bytes": 8192}, "page_bytes must be 4096 or 2097152, got 8192"),
+    ({"page_bytes": HUGE_PAGE_BYTES}, "not 2097152-aligned|cuts .* off page boundaries"),
 ])
 def test_tampered_handle_is_refused(changes, message):
     region = HostRegion.create("cpu_compute", FMT, 3)
@@ -202,3 +205,63 @@ def test_segments_that_cut_pages_are_refused_with_the_multiple_allowed():
     with pytest.raises(ValueError, match=r"segment_blocks \(2\) cuts cpu_compute's k runs of 128 bytes off page "
                                          r"boundaries \(4096\); use a multiple of 64"):
         HostRegion.create("cpu_compute", FMT, 4, segment_blocks=2)
+
+
+def _shmem_huge_page_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        return next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("ShmemHugePages:"))
+
+
+@pytest.mark.parametrize("kind", ["cpu_compute", "cpu_transfer"])
+def test_a_huge_page_region_lays_every_segment_out_in_whole_2mb_pages(kind):
+    """In 2 MB pages each segment's runs are whole huge pages, so committing one takes its KV's bytes
+    and releasing it gives them back, whatever the host's huge-page setting; a worker attaching the
+    handle maps it the same way and sees the owner's bytes."""
+    segment_blocks = segment_blocks_for(PAGED, 0, HUGE_PAGE_BYTES)
+    assert segment_blocks == 2 * 2**20 // (16 * 64 * 2)  # the shortest run, v's: one block's 2 KB per layer and head
+    owner = HostRegion.create(kind, PAGED, 2 * segment_blocks, segment_blocks=segment_blocks, huge_pages=True)
+    attached = HostRegion.attach(owner.handle.to_bytes())
+    try:
+        assert owner.page_bytes == attached.page_bytes == HUGE_PAGE_BYTES
+        assert all(offset % HUGE_PAGE_BYTES == 0 for offset in owner.handle.offsets)
+        for segment in range(2):
+            for start, length in owner.segment_ranges(segment):
+                assert start % HUGE_PAGE_BYTES == 0 and length % HUGE_PAGE_BYTES == 0
+        attached.commit(1)
+        assert owner.resident_bytes() == segment_blocks * PAGED.nbytes(kind, 1)
+        blocks = (slice(None), slice(None), slice(segment_blocks, None)) if kind == "cpu_compute" else (
+            slice(None), slice(segment_blocks, None))
+        owner.k[blocks].fill_(3.0)
+        assert attached.k[blocks].float().eq(3.0).all()
+        attached.release(1)
+        assert owner.resident_bytes() == 0 and owner.k[blocks].float().eq(0).all()
+    finally:
+        attached.close()
+        owner.close()
+
+
+@pytest.mark.skipif(not kv_regions.host_huge_pages(), reason="this host gives shared memory no huge pages")
+def test_where_the_host_gives_shared_huge_pages_a_committed_segment_is_in_them():
+    segment_blocks = segment_blocks_for(PAGED, 0, HUGE_PAGE_BYTES)
+    region = HostRegion.create("cpu_compute", PAGED, segment_blocks, huge_pages=True)
+    try:
+        before = _shmem_huge_page_bytes()
+        region.commit(0)
+        assert _shmem_huge_page_bytes() - before >= region.resident_bytes() > 0
+    finally:
+        region.close()
+
+
+def test_segments_that_cut_huge_pages_are_refused_with_the_multiple_allowed():
+    with pytest.raises(ValueError, match=r"segment_blocks \(64\) cuts cpu_compute's k runs of 4096 bytes off page "
+                                         r"boundaries \(2097152\); use a multiple of 1024"):
+        HostRegion.create("cpu_compute", PAGED, 128, segment_blocks=64, huge_pages=True)
+
+
+@pytest.mark.parametrize("setting, expected", [("on", True), ("off", False)])
+def test_huge_pages_follow_the_environment(monkeypatch, setting, expected):
+    monkeypatch.setenv("WRITESCOPE_HUGE_PAGES", setting)
+    assert kv_regions.huge_pages_wanted() is expected
+    monkeypatch.setenv("WRITESCOPE_HUGE_PAGES", "sometimes")
+    with pytest.raises(ValueError, match="WRITESCOPE_HUGE_PAGES must be auto, on or off, got 'sometimes'"):
+        kv_regions.huge_pages_wanted()

@@ -119,6 +119,26 @@ def test_expert_placement_does_not_change_results():
             torch.testing.assert_close(a, b)
 
 
+def test_host_regions_in_huge_pages_give_the_same_tokens_and_logits(monkeypatch):
+    """WRITESCOPE_HUGE_PAGES=on lays the host regions out in 2 MB pages (segments of 2 MB runs, the
+    mappings advised for huge pages: 4 KB pages where the host's shmem_enabled is never): the KV lands
+    at other offsets, the tokens and logits stay the same."""
+    results = []
+    for setting in ("off", "on"):
+        monkeypatch.setenv("WRITESCOPE_HUGE_PAGES", setting)
+        engine = small_engine("tiny-mixtral", policy="fixed_half")
+        try:
+            assert engine.cache.config.huge_pages is (setting == "on")
+            regions = [*engine.cache.compute, engine.cache.transfer]
+            assert {r.page_bytes for r in regions} == {4096 if setting == "off" else 2 * 2**20}
+            results.append(engine.generate([[5, 6, 7] * 20], max_new_tokens=6, return_logits=True)[0])
+        finally:
+            engine.shutdown()
+    assert results[0].token_ids == results[1].token_ids
+    for a, b in zip(results[0].logits, results[1].logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_bad_requests_are_refused_and_the_engine_stays_usable():
     engine = small_engine(max_seq_len=64)
     try:
