@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tests.processes import processes_mapping
-from writescope.kv_format import KVFormat
 from writescope import kv_regions
+from writescope.kv_format import KVFormat
 from writescope.kv_regions import HUGE_PAGE_BYTES, HostRegion, RegionHandle, segment_blocks_for
 from writescope.numa_memory import page_nodes
 from writescope.topology import read_topology
