@@ -13,12 +13,16 @@ an out-of-bounds access.
 
 A region's memory follows the KV placed in it: its block ids fall in fixed-size segments of
 `segment_blocks` blocks, and a segment takes memory only once committed (by the cache, when it
-places the segment's first block): its pages allocated then (fallocate, so a host out of memory is
-an error, not a SIGBUS on a later write), on the shard's NUMA node and page-locked for DMA where
-that applies, both fixed for as long as the segment is committed. A segment with no placed block
-left may be released: its pages go back to the kernel. No byte ever moves: the mapping spans the
-whole region from the start (address space, not memory), so every process that attached the
-region sees a new segment at once, at the same offsets.
+places the segment's first block): its pages allocated then (populated through the mapping, so a
+host out of memory is an error, not a SIGBUS on a later write), on the shard's NUMA node and
+page-locked for DMA where that applies, both fixed for as long as the segment is committed. A
+segment with no placed block left may be released: its pages go back to the kernel. No byte ever
+moves: the mapping spans the whole region from the start (address space, not memory), so every
+process that attached the region sees a new segment at once, at the same offsets.
+
+Where the host gives shared memory transparent huge pages (or WRITESCOPE_HUGE_PAGES=on), a region
+is laid out in 2 MB pages: its arrays and every segment's runs start and end on one, and every
+mapping of it is advised for them; otherwise its mappings are advised against them.
 """
 
 from __future__ import annotations
@@ -89,10 +93,9 @@ class Segment:
     """
 
     def __init__(self, name: str, mapping: mmap.mmap, size: int, owner_pid: int, fd: int, owned: bool,
-                 local_fd: int, huge_pages: bool = False):
+                 local_fd: int):
         self.name = name
         self.buf = mapping
-        self.huge_pages = huge_pages
         self.size = size
         self.owner_pid = owner_pid
         self.fd = fd  # the creator's descriptor number (open in this process only if owned)
@@ -111,7 +114,7 @@ class Segment:
             os.close(fd)
             raise
         _advise_pages(mapping, huge_pages)
-        return cls(name, mapping, size, os.getpid(), fd, owned=True, local_fd=fd, huge_pages=huge_pages)
+        return cls(name, mapping, size, os.getpid(), fd, owned=True, local_fd=fd)
 
     @classmethod
     def attach(cls, name: str, owner_pid: int, fd: int, size: int, huge_pages: bool = False) -> Segment:
@@ -137,7 +140,7 @@ class Segment:
             os.close(local_fd)
             raise
         _advise_pages(mapping, huge_pages)  # a huge page is mapped whole only where the mapping allows it
-        return cls(name, mapping, size, owner_pid, fd, owned=False, local_fd=local_fd, huge_pages=huge_pages)
+        return cls(name, mapping, size, owner_pid, fd, owned=False, local_fd=local_fd)
 
     @property
     def address(self) -> int:
