@@ -45,7 +45,7 @@ from writescope.kv_format import HOST_REGIONS, LAYOUTS, KVFormat
 
 log = logging.getLogger(__name__)
 
-_ALIGN_BYTES = PAGE_BYTES = 4096
+PAGE_BYTES = 4096
 # A region in huge pages lays every run of a segment out in whole 2 MB pages (see HostRegion.create).
 HUGE_PAGE_BYTES = 2 * 2**20
 _SHMEM_THP_SETTING = "/sys/kernel/mm/transparent_hugepage/shmem_enabled"
@@ -58,7 +58,7 @@ SEGMENT_BYTES = 16 * 2**20
 _NUMPY_STORAGE = {"bfloat16": np.int16, "float16": np.float16, "float32": np.float32}
 
 
-def _align(n: int, page_bytes: int = _ALIGN_BYTES) -> int:
+def _align(n: int, page_bytes: int = PAGE_BYTES) -> int:
     return -(-n // page_bytes) * page_bytes
 
 
@@ -218,7 +218,7 @@ class RegionHandle:
     format: KVFormat
     pinned: bool = False
     block_table: tuple[int, ...] = field(default=())  # optional: one sequence's blocks in this region
-    page_bytes: int = _ALIGN_BYTES  # the region's page: 4 KB, or 2 MB where it is laid out in huge pages
+    page_bytes: int = PAGE_BYTES  # the region's page: 4 KB, or 2 MB where it is laid out in huge pages
 
     def __post_init__(self):
         self.validate()
@@ -234,8 +234,8 @@ class RegionHandle:
             raise ValueError(f"handle shm_name must be a non-empty string, got {self.shm_name!r}")
         if self.shard < 0 or self.num_blocks < 0:
             raise ValueError(f"handle shard ({self.shard}) and num_blocks ({self.num_blocks}) must be >= 0")
-        if self.page_bytes not in (_ALIGN_BYTES, HUGE_PAGE_BYTES):
-            raise ValueError(f"handle page_bytes must be {_ALIGN_BYTES} or {HUGE_PAGE_BYTES}, got {self.page_bytes}")
+        if self.page_bytes not in (PAGE_BYTES, HUGE_PAGE_BYTES):
+            raise ValueError(f"handle page_bytes must be {PAGE_BYTES} or {HUGE_PAGE_BYTES}, got {self.page_bytes}")
         check_segment_blocks(self.format, self.kind, self.num_blocks, self.segment_blocks, self.page_bytes)
         if self.owner_pid < 1 or self.fd < 0:
             raise ValueError(f"handle owner_pid ({self.owner_pid}) must be >= 1 and fd ({self.fd}) >= 0")
@@ -305,7 +305,7 @@ def _run_bytes(fmt: KVFormat, kind: str, head_dim: int, array: str) -> int:
     return int(np.prod(shape[_BLOCK_AXIS[kind] + 1:])) * fmt.itemsize
 
 
-def segment_blocks_for(fmt: KVFormat, target_bytes: int = SEGMENT_BYTES, page_bytes: int = _ALIGN_BYTES) -> int:
+def segment_blocks_for(fmt: KVFormat, target_bytes: int = SEGMENT_BYTES, page_bytes: int = PAGE_BYTES) -> int:
     """Blocks per segment: about target_bytes of KV (every layer and stored array), a multiple of the
     count that makes each of a segment's runs whole pages of page_bytes in both host regions (so a
     segment can be committed and released without touching its neighbours' pages). In 2 MB pages a
@@ -319,7 +319,7 @@ def segment_blocks_for(fmt: KVFormat, target_bytes: int = SEGMENT_BYTES, page_by
 
 
 def check_segment_blocks(fmt: KVFormat, kind: str, num_blocks: int, segment_blocks: int,
-                         page_bytes: int = _ALIGN_BYTES) -> None:
+                         page_bytes: int = PAGE_BYTES) -> None:
     """ValueError unless segment_blocks divides num_blocks and each segment's runs are whole pages of
     page_bytes (a region of one segment may end inside a page: nothing else lives there)."""
     if segment_blocks < 1 or num_blocks % segment_blocks:
@@ -363,7 +363,7 @@ class HostRegion:
         segment (with kind, shard and a random suffix) in /proc/PID/maps. huge_pages: the arrays and
         every segment's runs in whole 2 MB pages, the mapping advised for transparent huge pages (a
         host whose shmem_enabled is never gives 4 KB pages all the same)."""
-        page_bytes = HUGE_PAGE_BYTES if huge_pages else _ALIGN_BYTES
+        page_bytes = HUGE_PAGE_BYTES if huge_pages else PAGE_BYTES
         segment_blocks = max(num_blocks, 1) if segment_blocks is None else segment_blocks
         check_segment_blocks(fmt, kind, num_blocks, segment_blocks, page_bytes)
         offsets, end = [], 0
