@@ -148,7 +148,8 @@ def call(module, q, source: ops.KVSource, scale: float, out, lse, chunk_tokens: 
 
 def measure(contestants: list[Contestant], modules: list, shape, seq_len: int, cold_bytes: int,
             rounds: int) -> list[tuple[list[float], list[float]]]:
-    """(wall seconds, kernel seconds) of every call, per contestant, taking turns round by round."""
+    """(wall seconds, kernel seconds) of every call, per contestant, taking turns round by round, the
+    order rotated each round."""
     q, k, v = make_inputs(shape, seq_len)
     scale = shape.head_dim_qk**-0.5
     num_copies = copies_for(shape, seq_len, cold_bytes)
@@ -176,8 +177,12 @@ def measure(contestants: list[Contestant], modules: list, shape, seq_len: int, c
     calls_per_turn = max(3, num_copies)
     times = [([], []) for _ in contestants]
     turn = 0
-    for _ in range(rounds):
-        for contestant, module, (walls, kernels) in zip(contestants, modules, times, strict=True):
+    entries = list(zip(contestants, modules, times, strict=True))
+    for round_index in range(rounds):
+        # each round starts one contestant further on, so none always follows the same one (the build
+        # before leaves its pool's workers spinning and its bytes in the caches)
+        start = round_index % len(entries)
+        for contestant, module, (walls, kernels) in entries[start:] + entries[:start]:
             copies = sources[contestant.block_size, contestant.run_blocks, contestant.pages]
             for _ in range(calls_per_turn):
                 source = copies[turn % num_copies]

@@ -16,6 +16,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma,f16c,amx-tile,amx-bf16")
 #include "writescope/attention_kernel.h"
 #include "writescope/dense_kernel.h"
+#include "writescope/merge_kernel.h"
 #include "writescope/roofline_kernel.h"
 #include "writescope/simd_avx512bf16.h"
 
@@ -64,6 +65,10 @@ void dot_rows_amx(const float* x_split, int64_t rows, int64_t padded_pairs, cons
                    int64_t pairs, int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
   dot_rows<Avx512AmxSimd>(x_split, rows, padded_pairs, w, w_stride, pairs, n_begin, n_end, out, out_stride);
 }
+void merge_rows_amx(int64_t parts, int64_t rows, int64_t dim, const float* outs, int64_t out_part_stride,
+                const float* lses, int64_t lse_part_stride, float* out, float* lse) {
+  merge_rows<Avx512AmxSimd>(parts, rows, dim, outs, out_part_stride, lses, lse_part_stride, out, lse);
+}
 }  // namespace
 }  // namespace writescope
 #pragma GCC pop_options
@@ -73,7 +78,7 @@ const IsaKernels& amx_kernels() {
   static const IsaKernels kernels{"amx", &attend_item_amx, &read_sum_amx, &fma_burst_amx,
                                   FmaBurst<Avx512AmxSimd>::kFlopsPerIteration, &dot_burst_amx,
                                   DotBurst<Avx512AmxSimd>::kFlopsPerIteration, &tile_burst_amx,
-                                  TileBurst::kFlopsPerIteration, &dot_rows_amx};
+                                  TileBurst::kFlopsPerIteration, &dot_rows_amx, &merge_rows_amx};
   return kernels;
 }
 }  // namespace writescope

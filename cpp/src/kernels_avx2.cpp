@@ -14,6 +14,7 @@
 #pragma GCC target("avx2,fma,f16c")
 #include "writescope/attention_kernel.h"
 #include "writescope/dense_kernel.h"
+#include "writescope/merge_kernel.h"
 #include "writescope/roofline_kernel.h"
 #include "writescope/simd_avx2.h"
 
@@ -28,6 +29,10 @@ void dot_rows_avx2(const float* x_split, int64_t rows, int64_t padded_pairs, con
                    int64_t pairs, int64_t n_begin, int64_t n_end, float* out, int64_t out_stride) {
   dot_rows<Avx2Simd>(x_split, rows, padded_pairs, w, w_stride, pairs, n_begin, n_end, out, out_stride);
 }
+void merge_rows_avx2(int64_t parts, int64_t rows, int64_t dim, const float* outs, int64_t out_part_stride,
+                const float* lses, int64_t lse_part_stride, float* out, float* lse) {
+  merge_rows<Avx2Simd>(parts, rows, dim, outs, out_part_stride, lses, lse_part_stride, out, lse);
+}
 }  // namespace
 }  // namespace writescope
 #pragma GCC pop_options
@@ -35,7 +40,7 @@ void dot_rows_avx2(const float* x_split, int64_t rows, int64_t padded_pairs, con
 namespace writescope {
 const IsaKernels& avx2_kernels() {
   static const IsaKernels kernels{"avx2", &attend_item_avx2, &read_sum_avx2, &fma_burst_avx2,
-                                  FmaBurst<Avx2Simd>::kFlopsPerIteration, nullptr, 0, nullptr, 0, &dot_rows_avx2};
+                                  FmaBurst<Avx2Simd>::kFlopsPerIteration, nullptr, 0, nullptr, 0, &dot_rows_avx2, &merge_rows_avx2};
   return kernels;
 }
 }  // namespace writescope

@@ -2,6 +2,7 @@
 #include "writescope/attention_kernel.h"
 #include "writescope/dense_kernel.h"
 #include "writescope/kernel_args.h"
+#include "writescope/merge_kernel.h"
 #include "writescope/roofline_kernel.h"
 #include "writescope/simd_scalar.h"
 
@@ -10,7 +11,7 @@ namespace writescope {
 const IsaKernels& scalar_kernels() {
   static const IsaKernels kernels{
       "scalar", &attend_item<ScalarSimd>, &read_sum<ScalarSimd>, &FmaBurst<ScalarSimd>::run,
-      FmaBurst<ScalarSimd>::kFlopsPerIteration, nullptr, 0, nullptr, 0, &dot_rows<ScalarSimd>};
+      FmaBurst<ScalarSimd>::kFlopsPerIteration, nullptr, 0, nullptr, 0, &dot_rows<ScalarSimd>, &merge_rows<ScalarSimd>};
   return kernels;
 }
 

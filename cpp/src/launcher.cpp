@@ -14,34 +14,6 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Merges `parts` normalised partials row by row, in part order (so results are deterministic).
-// out_r = sum_p w_p out_{p,r} / sum_p w_p with w_p = exp(lse_{p,r} - max_p lse_{p,r});
-// lse_r = max + log(sum_p w_p). All parts empty (-inf) gives zeros and -inf.
-void merge_rows(int64_t parts, int64_t rows, int64_t dim, const float* outs, int64_t out_part_stride,
-                const float* lses, int64_t lse_part_stride, float* out, float* lse) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* dst = out + r * dim;
-    for (int64_t d = 0; d < dim; ++d) dst[d] = 0.0f;
-    float max_lse = kNegInf;
-    for (int64_t p = 0; p < parts; ++p) max_lse = std::fmax(max_lse, lses[p * lse_part_stride + r]);
-    if (max_lse == kNegInf) {
-      lse[r] = kNegInf;
-      continue;
-    }
-    float total = 0.0f;
-    for (int64_t p = 0; p < parts; ++p) {
-      const float w = std::exp(lses[p * lse_part_stride + r] - max_lse);
-      if (w == 0.0f) continue;
-      total += w;
-      const float* src = outs + p * out_part_stride + r * dim;
-      for (int64_t d = 0; d < dim; ++d) dst[d] += w * src[d];
-    }
-    const float inv = 1.0f / total;
-    for (int64_t d = 0; d < dim; ++d) dst[d] *= inv;
-    lse[r] = max_lse + std::log(total);
-  }
-}
-
 // A (sequence, kv head) split into several chunks: merged by whichever thread finishes last.
 struct ChunkGroup {
   float* partial_outs;  // [num_chunks, group, head_dim_v]
@@ -74,8 +46,8 @@ void run_attention_item(void* context, int64_t index, int thread) {
   if (g < 0 || job.remaining[g].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   const ChunkGroup& cg = job.groups[g];
   const int64_t dim_v = job.args.head_dim_v;
-  merge_rows(cg.num_chunks, job.group_size, dim_v, cg.partial_outs, job.group_size * dim_v, cg.partial_lses,
-             job.group_size, cg.out, cg.lse);
+  job.kernels->merge_rows(cg.num_chunks, job.group_size, dim_v, cg.partial_outs, job.group_size * dim_v,
+                          cg.partial_lses, job.group_size, cg.out, cg.lse);
 }
 
 void check_block_table(const PagedAttentionArgs& a, int64_t max_blocks, int64_t num_blocks) {
@@ -370,8 +342,9 @@ void merge_partials(const py::array& outs, const py::array& lses, py::array& out
   const float* outs_in = static_cast<const float*>(outs.data());
   float* out_ptr = static_cast<float*>(out.mutable_data());
   float* lse_ptr = static_cast<float*>(lse.mutable_data());
+  const IsaKernels* kernels = runtime().kernels;  // not the pool's lock: a merge runs beside a kernel call
   py::gil_scoped_release release;
-  merge_rows(parts, rows, dim, outs_in, rows * dim, lse_in, rows, out_ptr, lse_ptr);
+  kernels->merge_rows(parts, rows, dim, outs_in, rows * dim, lse_in, rows, out_ptr, lse_ptr);
 }
 
 namespace {

@@ -59,6 +59,25 @@ def test_mla_latent_shared_by_all_heads(cpu_variant, num_q_heads, seq_len):
     check_against_reference(q, k, k[..., :512], scale=192**-0.5)
 
 
+@pytest.mark.parametrize("chunk_tokens", [None, 7, 130])
+def test_mla_running_max_grows_tile_after_tile(cpu_variant, chunk_tokens):
+    # Keys grow along the sequence, so every 64-token tile's max passes the tiles' before it and each
+    # head's output so far is rescaled; items of 7 and 130 tokens end on odd tokens and mid-tile.
+    q = torch.randn(16, 576, dtype=torch.bfloat16)
+    growth = torch.linspace(0.5, 1.5, 613)[None, :, None]
+    k = (torch.randn(1, 613, 576) * growth).to(torch.bfloat16)
+    table = torch.zeros((1, 1), dtype=torch.int32)
+    lens = torch.tensor([613], dtype=torch.int32)
+    out = torch.empty(1, 16, 512)
+    lse = torch.empty(1, 16)
+    _cpu.paged_attention(q[None].view(torch.int16).numpy(), k[None].view(torch.int16).numpy(),
+                         k[None, ..., :512].view(torch.int16).numpy(), table.numpy(), lens.numpy(), out.numpy(),
+                         lse.numpy(), q_dtype="bfloat16", kv_dtype="bfloat16", scale=192**-0.5,
+                         chunk_tokens=chunk_tokens)
+    ref_out, ref_lse = ops.partial_attention(q, k, k[..., :512], scale=192**-0.5, backend="torch")
+    assert_partials_close(out[0], lse[0], ref_out, ref_lse, cpu_out_tolerance(q.dtype, k.dtype, k[..., :512]))
+
+
 @pytest.mark.parametrize(("num_q_heads", "head_dim"), [(16, 72), (32, 64), (16, 66), (48, 128)])
 def test_many_heads_on_one_kv_head_with_bf16_q(cpu_variant, num_q_heads, head_dim):
     # Whole 16-head chunks with head dims in 4s take the scores with heads in vector lanes where the
@@ -141,8 +160,16 @@ def test_default_items_are_sized_from_the_job(seq_len, num_kv_heads):
     assert torch.equal(none_out, out)
 
 
-def test_result_is_identical_for_any_thread_count():
-    q, k, v = make_inputs(**{**BASE, "seq_len": 4099})
+def _mla_inputs(seq_len):
+    q = torch.randn(16, 576, dtype=torch.bfloat16)
+    k = torch.randn(1, seq_len, 576).to(torch.bfloat16)
+    return q, k, k[..., :512]
+
+
+@pytest.mark.parametrize("inputs", [lambda: make_inputs(**{**BASE, "seq_len": 4099}), lambda: _mla_inputs(4099)],
+                         ids=["gqa", "mla"])
+def test_result_is_identical_for_any_thread_count(inputs):
+    q, k, v = inputs()
     default_threads = _cpu.num_threads()
     try:
         results = []
@@ -200,6 +227,17 @@ def test_cpu_merge_matches_torch_merge_over_many_parts_and_rows():
     torch.testing.assert_close(cpu[0], ref[0], **MERGE)
     torch.testing.assert_close(cpu[1], ref[1], **MERGE)
     assert torch.all(cpu[0][2, 3] == 0) and cpu[1][2, 3] == float("-inf")
+
+
+def test_cpu_merge_of_more_parts_than_one_batch_of_weights(cpu_variant):
+    # 150 parts: three batches of the merge's held weights; 70 dims: whole vectors and a tail.
+    outs = torch.randn(150, 6, 70)
+    lses = torch.randn(150, 6) * 5
+    lses[::7, 1] = float("-inf")
+    cpu = ops.merge_partials(outs, lses, backend="cpu")
+    ref = ops.merge_partials(outs, lses, backend="torch")
+    torch.testing.assert_close(cpu[0], ref[0], **MERGE)
+    torch.testing.assert_close(cpu[1], ref[1], **MERGE)
 
 
 def test_an_empty_partial_leaves_a_merge_unchanged_bit_for_bit():

@@ -467,6 +467,7 @@ struct ItemKernel {
   void run(const WorkItem& item) {
     amx = amx_fits(item);
     load_queries(item);
+    if (lane_heads) return run_lanes(item);
     if (amx) transpose_queries();
     for (int64_t i = 0; i < group * dim_v; ++i) item.out[i] = 0.0f;
     for (int64_t g = 0; g < group; ++g) {
@@ -498,6 +499,33 @@ struct ItemKernel {
     }
   }
 
+  // The item on the lane path: scores, probabilities and running max and sum all with heads in
+  // lanes (no transpose to [head, token], a vertical softmax). The first tile's value sums start
+  // from zero, so the output is neither zeroed nor rescaled before it; the end normalises and puts
+  // the dims in natural order in one pass.
+  void run_lanes(const WorkItem& item) {
+    if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
+      for (int64_t g = 0; g < group; ++g) {
+        row_max[g] = kNegInf;
+        row_sum[g] = 0.0f;
+      }
+      if (item.token_begin == item.token_end)
+        for (int64_t i = 0; i < group * dim_v; ++i) item.out[i] = 0.0f;
+      for (int64_t begin = item.token_begin; begin < item.token_end; begin += kTileTokens) {
+        const int64_t count = item.token_end - begin < kTileTokens ? item.token_end - begin : kTileTokens;
+        gather_rows(item, begin, count);
+        lane_scores(count);
+        lane_softmax(count, item.out);
+        lane_values(count, item.out, begin == item.token_begin);
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const V inv = S::set1(1.0f / row_sum[g]);
+        for (int64_t d = 0; d < dim_v; d += 2 * W) S::unpacked_to_natural(item.out + g * dim_v + d, inv);
+        item.lse[g] = row_max[g] + std::log(row_sum[g]);
+      }
+    }
+  }
+
   // Chunks of 2W floats [even dims | odd dims] -> natural order, in place.
   static void interleave_pairs(float* row, int64_t split) {
     float chunk[2 * W];
@@ -515,7 +543,7 @@ struct ItemKernel {
       bf16_dot = a.q_dtype == DType::kBFloat16 && a.use_bf16_dot && !amx;
       if (bf16_dot) {
         q_bf16 = static_cast<const uint16_t*>(a.q) + item.seq * a.q_seq_stride + item.kv_head * group * a.q_head_stride;
-        lane_heads = group % W == 0 && dim_qk % 4 == 0;
+        lane_heads = group % W == 0 && dim_qk % 4 == 0 && dim_v % (2 * W) == 0;
         if (lane_heads) load_lane_queries();
         return;
       }
@@ -836,16 +864,12 @@ struct ItemKernel {
   void load_lane_queries() {
     q_lanes = reinterpret_cast<uint32_t*>(q32);
     const int64_t quads = dim_qk / 4;
-    const auto pair_at = [](const uint16_t* row, int64_t d) { return uint32_t{row[d]} | (uint32_t{row[d + 1]} << 16); };
     for (int64_t c = 0; c < group / W; ++c)
       for (int64_t h = 0; h < 2; ++h)
-        for (int64_t j = 0; j < W / 2; ++j) {
+        for (int64_t j = 0; j < W / 2; ++j) {  // words 2 j, 2 j + 1: the row's 4 dims as stored, one 8-byte copy
           const uint16_t* row = q_bf16 + (c * W + h * (W / 2) + j) * a.q_head_stride;
-          for (int64_t quad = 0; quad < quads; ++quad) {
-            uint32_t* words = q_lanes + ((c * quads + quad) * 2 + h) * W;
-            words[2 * j] = pair_at(row, 4 * quad);
-            words[2 * j + 1] = pair_at(row, 4 * quad + 2);
-          }
+          uint32_t* words = q_lanes + (c * quads * 2 + h) * W + 2 * j;
+          for (int64_t quad = 0; quad < quads; ++quad) std::memcpy(words + quad * 2 * W, row + 4 * quad, 8);
         }
   }
 
@@ -875,11 +899,102 @@ struct ItemKernel {
           acc[ti][1] = S::dot_bf16(acc[ti][1], q_high, k);
         }
       }
-      alignas(64) float lanes[kLaneTokens][W];
       const V scale = S::set1(a.scale);
-      for (int ti = 0; ti < kLaneTokens; ++ti) S::store(lanes[ti], S::mul(scale, S::add_lane_pairs(acc[ti][0], acc[ti][1])));
-      for (int64_t lane = 0; lane < W; ++lane)
-        for (int64_t ti = 0; ti < n; ++ti) scores[(c * W + lane) * kTileTokens + t0 + ti] = lanes[ti][lane];
+      float* to = lane_scores_at(c, t0);
+      for (int ti = 0; ti < kLaneTokens; ++ti)
+        if (ti < n) S::store(to + ti * W, S::mul(scale, S::add_lane_pairs(acc[ti][0], acc[ti][1])));
+    }
+  }
+
+  // The lane path's scores (then probabilities): [group / W, kTileTokens, W], head chunk c's W heads
+  // of one token a vector.
+  float* lane_scores_at(int64_t c, int64_t t) const { return scores + (c * kTileTokens + t) * W; }
+
+  // The online softmax with heads in lanes: max, exp and sum run down the tile's token vectors, no
+  // horizontal step; a head's output row is rescaled only when its max grows past an earlier tile's.
+  // Then the probabilities of each token pair as bf16 pairs, one 32-bit word per head
+  // (lane_pair_words), the dot's broadcast operand in lane_values.
+  void lane_softmax(int64_t count, float* acc) {
+    for (int64_t c = 0; c < group / W; ++c) {
+      float* row = lane_scores_at(c, 0);
+      V tile_max = S::load(row);
+      for (int64_t t = 1; t < count; ++t) tile_max = S::max(tile_max, S::load(row + t * W));
+      const V old_max = S::load(row_max + c * W);
+      const V new_max = S::max(old_max, tile_max);
+      V sum = S::zero();
+      for (int64_t t = 0; t < count; ++t) {
+        const V p = S::exp(S::sub(S::load(row + t * W), new_max));
+        S::store(row + t * W, p);
+        sum = S::add(sum, p);
+      }
+      alignas(64) float before[W], after[W], sums[W];
+      S::store(before, old_max);
+      S::store(after, new_max);
+      S::store(sums, sum);
+      for (int64_t lane = 0; lane < W; ++lane) {
+        const int64_t g = c * W + lane;
+        if (after[lane] != before[lane] && before[lane] != kNegInf) {  // before the first tile: no output yet
+          const float alpha = std::exp(before[lane] - after[lane]);
+          row_sum[g] *= alpha;
+          const V scale = S::set1(alpha);
+          for (int64_t d = 0; d < dim_v; d += W) S::store(acc + g * dim_v + d, S::mul(scale, S::load(acc + g * dim_v + d)));
+        }
+        row_sum[g] += sums[lane];
+      }
+      S::store(row_max + c * W, new_max);
+      uint32_t* words = lane_pair_words(c, 0);
+      for (int64_t t = 0; t + 2 <= count; t += 2)
+        S::store_bf16_pairs(words + t / 2 * W, S::load(row + t * W), S::load(row + (t + 1) * W));
+    }
+  }
+
+  // [group / W, kTileTokens / 2, W] words: head c W + lane's probabilities of tokens (t, t + 1), bf16.
+  uint32_t* lane_pair_words(int64_t c, int64_t t) const {
+    return reinterpret_cast<uint32_t*>(p_hi) + (c * (kTileTokens / 2) + t / 2) * W;
+  }
+
+  // PV on the lane path: kLaneValueHeads heads x 2W dims at a time, as dot_value_block.
+  static constexpr int kLaneValueHeads = 8;
+
+  void lane_values(int64_t count, float* acc, bool first_tile) {
+    for (int64_t c = 0; c < group / W; ++c)
+      for (int64_t h0 = 0; h0 < W; h0 += kLaneValueHeads)
+        for (int64_t d0 = 0; d0 < dim_v; d0 += 2 * W) {
+          if (first_tile) lane_value_block<true>(c, h0, d0, count, acc);
+          else lane_value_block<false>(c, h0, d0, count, acc);
+        }
+  }
+
+  template <bool kFirstTile>
+  WS_INLINE void lane_value_block(int64_t c, int64_t h0, int64_t d0, int64_t count, float* acc) {
+    if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
+      constexpr int GT = kLaneValueHeads;
+      float* out = acc + (c * W + h0) * dim_v + d0;
+      V sum[GT][2];
+      WS_UNROLL for (int gi = 0; gi < GT; ++gi)
+        WS_UNROLL for (int h = 0; h < 2; ++h) sum[gi][h] = kFirstTile ? S::zero() : S::load(out + gi * dim_v + h * W);
+      const uint32_t* p = lane_pair_words(c, 0) + h0;
+      int64_t t = 0;
+      for (; t + 2 <= count; t += 2) {
+        typename S::Raw low, high;
+        S::unpack_rows(v_rows[t] + d0, v_rows[t + 1] + d0, low, high);
+        WS_UNROLL for (int gi = 0; gi < GT; ++gi) {
+          const typename S::Raw probabilities = S::raw_set1(p[t / 2 * W + gi]);
+          sum[gi][0] = S::dot_bf16(sum[gi][0], probabilities, low);
+          sum[gi][1] = S::dot_bf16(sum[gi][1], probabilities, high);
+        }
+      }
+      if (t < count) {  // a lone last token through FMAs of its float32 probabilities
+        V low, high;
+        S::unpack_row(v_rows[t] + d0, low, high);
+        const float* pt = lane_scores_at(c, t) + h0;
+        WS_UNROLL for (int gi = 0; gi < GT; ++gi) {
+          sum[gi][0] = S::fma(S::set1(pt[gi]), low, sum[gi][0]);
+          sum[gi][1] = S::fma(S::set1(pt[gi]), high, sum[gi][1]);
+        }
+      }
+      WS_UNROLL for (int gi = 0; gi < GT; ++gi)
+        WS_UNROLL for (int h = 0; h < 2; ++h) S::store(out + gi * dim_v + h * W, sum[gi][h]);
     }
   }
 

@@ -127,6 +127,9 @@ struct IsaKernels {
   // Rows x bf16 weights, dot_rows in dense_kernel.h.
   void (*dot_rows)(const float* x_split, int64_t rows, int64_t padded_pairs, const uint16_t* w, int64_t w_stride,
                    int64_t pairs, int64_t n_begin, int64_t n_end, float* out, int64_t out_stride);
+  // The merge of normalised partials, merge_rows in merge_kernel.h.
+  void (*merge_rows)(int64_t parts, int64_t rows, int64_t dim, const float* outs, int64_t out_part_stride,
+                     const float* lses, int64_t lse_part_stride, float* out, float* lse);
 };
 
 const IsaKernels& scalar_kernels();

@@ -67,6 +67,21 @@ struct Avx512Bf16Simd : Avx512Simd {
     _mm512_storeu_ps(slice, _mm512_permutex2var_ps(low, first, high));
     _mm512_storeu_ps(slice + 16, _mm512_permutex2var_ps(low, second, high));
   }
+  // The same, each float first multiplied by `scale`.
+  static void unpacked_to_natural(float* slice, V scale) {
+    const __m512 low = _mm512_mul_ps(scale, _mm512_loadu_ps(slice)), high = _mm512_mul_ps(scale, _mm512_loadu_ps(slice + 16));
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    _mm512_storeu_ps(slice, _mm512_permutex2var_ps(low, first, high));
+    _mm512_storeu_ps(slice + 16, _mm512_permutex2var_ps(low, second, high));
+  }
+  // 16 floats each of a and b -> bf16 (nearest even) as 16 words (a[i], b[i]) at p, a's in the low half.
+  static void store_bf16_pairs(uint32_t* p, V a, V b) {
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a's 16 bf16, then b's
+    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    _mm512_storeu_si512(p, _mm512_permutexvar_epi16(zip, both));
+  }
   // Two token rows of `dims` (a multiple of 32) bf16 -> [dims][2] pairs (a's element first); b null: zeros.
   static void interleave_rows(const uint16_t* a, const uint16_t* b, uint16_t* out, int64_t dims) {
     alignas(64) static const uint16_t zeros[32] = {};
