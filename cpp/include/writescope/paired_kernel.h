@@ -594,7 +594,7 @@ struct PairedKernel {
 
   // ------------------------------------------------------------------ softmax
   void update_softmax(int64_t count, float* acc) {
-    online_softmax<S>(scores, stride, group, count, row_max, row_sum, acc, dim_v);
+    online_softmax<S>(scores, stride, group, count, row_max, row_sum, acc, dim_v, bf16_dot ? p_hi : nullptr);
   }
 
   // ------------------------------------------------------------------ values
@@ -715,15 +715,8 @@ struct PairedKernel {
   // 2^-9 of the largest |V| it averages. Measured on a 2-vCPU Zen 4, interleaved with the FMA
   // values at 32K: Qwen3-MoE 1.17x, Mixtral 1.04x, MHA 1.01x (memory-bound); from L3 at 4K,
   // Qwen3-MoE 1.16x, Mixtral 1.07x. Asking for the lines two tiles ahead instead of one measured
-  // 0.95x and 1.02x for Qwen3-MoE and Mixtral.
-  void round_probabilities(int64_t count) {
-    if constexpr (S::kBf16Dot) {
-      const int64_t padded = (count + W - 1) / W * W;  // online_softmax zeroed the padding
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t t = 0; t < padded; t += W) S::store_bf16(p_hi + g * stride + t, S::load(scores + g * stride + t));
-    }
-  }
-
+  // 0.95x and 1.02x for Qwen3-MoE and Mixtral. The rounding is update_softmax's (online_softmax's
+  // bf16_out).
   // GT heads x NV vectors of W dims, over the tile's token pairs; a lone last token through an FMA
   // of its float32 probability (lone_token: its pair's second slot may hold NaN, which a zero
   // probability would not cancel in a dot).
@@ -770,8 +763,7 @@ struct PairedKernel {
   // Sixteen accumulators where the dims allow (GT x NV); V and the broadcasts stay within the load
   // ports.
   void dot_values(int64_t blocks, int64_t count, float* acc) {
-    round_probabilities(count);
-    int64_t g = 0;
+    int64_t g = 0;  // the probabilities in bf16: rounded by update_softmax
     for (; g + 8 <= group; g += 8) value_heads<8, 2, true>(g, blocks, count, acc);
     for (; g + 4 <= group; g += 4) value_heads<4, 4, true>(g, blocks, count, acc);
     for (; g + 2 <= group; g += 2) value_heads<2, 8, true>(g, blocks, count, acc);
