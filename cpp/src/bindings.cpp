@@ -80,6 +80,9 @@ PYBIND11_MODULE(_cpu, m) {
         "Streaming-read bandwidth in GB/s per repeat, with the current variant and pool.");
   m.def("stream_read_seconds", &stream_read_seconds, py::arg("buffers"),
         "Seconds to stream-read the given C-contiguous arrays whole, once, with the current variant and pool.");
+  m.def("ranges_read_seconds", &ranges_read_seconds, py::arg("buffers"), py::arg("ranges").noconvert(),
+        "Seconds to read byte ranges of C-contiguous arrays once, in the order given, with the current variant "
+        "and pool: ranges int64 [n, 3] rows of (buffer index, byte offset, bytes).");
   m.def("fma_peak", &fma_peak, py::arg("iterations"), py::arg("repeats"),
         "Float32 FMA throughput in GFLOP/s per repeat, with the current variant and pool.");
   m.def("dot_peak", &dot_peak, py::arg("iterations"), py::arg("repeats"),

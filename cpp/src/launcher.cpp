@@ -365,6 +365,25 @@ void read_slice(void* context, int64_t slice, int) {
   while (!job.sink->compare_exchange_weak(current, current + sum)) {
   }
 }
+// Ranges read in list order: slice i of `slices` takes the i-th contiguous share of the list, as a
+// kernel thread takes consecutive blocks of one work item.
+struct RangesJob {
+  const IsaKernels* kernels;
+  std::vector<const float*> starts;
+  std::vector<int64_t> counts;  // float32 words
+  int64_t slices;
+  std::atomic<double>* sink;
+};
+void read_ranges_slice(void* context, int64_t slice, int) {
+  auto& job = *static_cast<RangesJob*>(context);
+  const int64_t n = static_cast<int64_t>(job.starts.size());
+  const int64_t begin = n * slice / job.slices, end = n * (slice + 1) / job.slices;
+  double sum = 0.0;
+  for (int64_t i = begin; i < end; ++i) sum += job.kernels->read_sum(job.starts[i], job.counts[i]);
+  double current = job.sink->load();
+  while (!job.sink->compare_exchange_weak(current, current + sum)) {
+  }
+}
 struct FillJob {
   float* data;
   int64_t count, slices;
@@ -434,6 +453,46 @@ double stream_read_seconds(const std::vector<py::object>& buffers) {
   for (ReadJob& job : jobs) job.slices = int64_t{8} * rt.pool->num_threads();
   const auto start = std::chrono::steady_clock::now();
   for (ReadJob& job : jobs) rt.pool->run(job.slices, &read_slice, &job);
+  return seconds_since(start);
+}
+
+double ranges_read_seconds(const std::vector<py::object>& buffers, const py::array& ranges) {
+  if (buffers.empty()) fail("buffers: expected at least one array, got none");
+  std::vector<py::array> arrays;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const std::string name = "buffers[" + std::to_string(i) + "]";
+    if (!py::isinstance<py::array>(buffers[i]))
+      fail(name + ": expected a numpy array, got " + std::string(py::str(py::type::of(buffers[i]).attr("__name__"))));
+    arrays.push_back(py::reinterpret_borrow<py::array>(buffers[i]));
+    check_c_contiguous(arrays.back(), name.c_str());
+  }
+  check_ndim(ranges, "ranges", 2, "[num_ranges, 3] (buffer index, byte offset, bytes)");
+  if (ranges.dtype().kind() != 'i' || ranges.itemsize() != 8)
+    fail("ranges: expected int64, got " + std::string(py::str(ranges.dtype())));
+  check_dim(ranges, "ranges", 1, 3, "buffer index, byte offset, bytes");
+  check_c_contiguous(ranges, "ranges");
+  if (ranges.shape(0) < 1) fail("ranges: expected at least one range, got none");
+  Runtime& rt = runtime();
+  std::atomic<double> sink{0.0};
+  RangesJob job{rt.kernels, {}, {}, 0, &sink};
+  const auto* rows = static_cast<const int64_t*>(ranges.data());
+  for (int64_t r = 0; r < ranges.shape(0); ++r) {
+    const int64_t index = rows[3 * r], offset = rows[3 * r + 1], bytes = rows[3 * r + 2];
+    const std::string name = "ranges[" + std::to_string(r) + "]";
+    if (index < 0 || index >= static_cast<int64_t>(arrays.size()))
+      fail(name + ": buffer index " + std::to_string(index) + " is outside [0, " + std::to_string(arrays.size()) + ")");
+    const int64_t size = static_cast<int64_t>(arrays[index].nbytes());
+    if (offset < 0 || offset % 4 || bytes < 4 || bytes % 4 || offset > size || bytes > size - offset)
+      fail(name + ": bytes [" + std::to_string(offset) + ", +" + std::to_string(bytes) + ") must be a non-empty " +
+           "range of 4-byte words inside buffers[" + std::to_string(index) + "] (" + std::to_string(size) + " bytes)");
+    job.starts.push_back(reinterpret_cast<const float*>(static_cast<const char*>(arrays[index].data()) + offset));
+    job.counts.push_back(bytes / 4);
+  }
+  py::gil_scoped_release release;
+  std::lock_guard<std::mutex> lock(rt.mutex);
+  job.slices = int64_t{8} * rt.pool->num_threads();
+  const auto start = std::chrono::steady_clock::now();
+  rt.pool->run(job.slices, &read_ranges_slice, &job);
   return seconds_since(start);
 }
 

@@ -45,6 +45,11 @@ std::vector<double> read_bandwidth(int64_t num_bytes, int repeats);
 // variant's streaming read: the memory roofline of a call that reads exactly those bytes, measured
 // next to it (a host's bandwidth drifts within a run; a probe minutes away measures another moment).
 double stream_read_seconds(const std::vector<py::object>& buffers);
+
+// Seconds to read byte ranges of C-contiguous arrays once, in list order, with the current variant
+// and pool (threads take consecutive shares of the list): ranges int64 [n, 3] rows of (index into
+// buffers, byte offset, bytes), each a whole number of 4-byte words inside its buffer.
+double ranges_read_seconds(const std::vector<py::object>& buffers, const py::array& ranges);
 // Float32 FMA throughput in GFLOP/s, one figure per repeat, each lasting `iterations` FMA rounds.
 std::vector<double> fma_peak(int64_t iterations, int repeats);
 // The same for the bf16 dot product (2 multiply-adds per lane per instruction), where the variant has one.

@@ -2,8 +2,10 @@
 inside the tool, and the figures the README's table is made of."""
 
 import json
+import re
 import statistics
 
+import numpy as np
 import pytest
 import torch
 
@@ -40,6 +42,9 @@ def test_rows_carry_the_roofline_the_instructions_and_the_machine(tmp_path):
             shape.head_dim_qk / machine[f"{qk}_gflops"] + shape.head_dim_v / machine[f"{pv}_gflops"]) / 1e9
         assert row["fraction_of_paired_roofline"] == pytest.approx(
             statistics.median(max(r["read_s"], compute_s) / r["kernel_s"] for r in rounds))
+        assert all(r["block_read_s"] > 0 for r in rounds)
+        assert row["fraction_of_block_order_roofline"] == pytest.approx(
+            statistics.median(max(r["block_read_s"], compute_s) / r["kernel_s"] for r in rounds))
     assert bench.markdown_table(result).count("\n| ") == len(result["rows"]) + 1
 
 
@@ -75,3 +80,42 @@ def test_the_paired_read_covers_the_bytes_the_kernel_reads(shape):
     # the very storage the kernel's source views, not a copy
     stored = [source.k_cache] if shape.v_in_k else [source.k_cache, source.v_cache]
     assert [b.ctypes.data for b in buffers] == [t.data_ptr() for t in stored]
+
+
+@pytest.mark.parametrize("shape", bench.SHAPES, ids=lambda s: s.name)
+def test_the_block_order_read_takes_every_byte_once_in_the_kernels_order(shape):
+    q, k, v = bench.make_inputs(shape, 256)
+    source = bench.cache_source(shape, k, v, torch.Generator().manual_seed(0), 4)
+    buffers, ranges = bench.block_order_ranges(shape, source)
+    assert ranges.dtype == np.int64 and ranges.shape[1] == 3
+    # every block of every buffer once
+    for index, buffer in enumerate(buffers):
+        mine = ranges[ranges[:, 0] == index]
+        block_bytes = buffer[0, 0].nbytes
+        assert np.all(mine[:, 2] == block_bytes)
+        assert sorted(mine[:, 1].tolist()) == list(range(0, buffer.nbytes, block_bytes))
+    # head 0's first 64-token tile: its K blocks in the sequence's order, then its V blocks
+    num_blocks = buffers[0].shape[1]
+    first_tile = source.block_table[0, :4].tolist()
+    k_bytes = buffers[0][0, 0].nbytes
+    assert ranges[:4, 1].tolist() == [b * k_bytes for b in first_tile] and np.all(ranges[:4, 0] == 0)
+    if not shape.v_in_k:
+        assert ranges[4:8, 0].tolist() == [1] * 4
+    # kv heads one after another: a row's head is its offset over a head's blocks
+    heads = [offset // buffers[index][0, 0].nbytes // num_blocks for index, offset, _ in ranges.tolist()]
+    assert heads == sorted(heads) and heads[-1] == shape.num_kv_heads - 1
+    assert _cpu.ranges_read_seconds(buffers, ranges) > 0
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([[1, 0, 64]], "buffer index 1 is outside [0, 1)"),
+    ([[0, 4096, 64]], "must be a non-empty range of 4-byte words inside buffers[0] (4096 bytes)"),
+    ([[0, 2, 64]], "must be a non-empty range"),
+    ([[0, 0, 0]], "must be a non-empty range"),
+])
+def test_ranges_read_refuses_ranges_outside_their_buffer(rows, message):
+    buffer = np.zeros(1024, dtype=np.float32)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        _cpu.ranges_read_seconds([buffer], np.array(rows, dtype=np.int64))
+    with pytest.raises(ValueError, match="expected int64"):
+        _cpu.ranges_read_seconds([buffer], np.array(rows, dtype=np.int32))
