@@ -60,16 +60,14 @@ struct Avx512Bf16Simd : Avx512Simd {
   }
   // 32 floats in unpack_rows' order -> natural order, in place.
   static void unpacked_to_natural(float* slice) {
-    const __m512 low = _mm512_loadu_ps(slice), high = _mm512_loadu_ps(slice + 16);
-    // natural dims 8k..8k+7 = low lanes 4k..4k+3, then high lanes 4k..4k+3
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-    _mm512_storeu_ps(slice, _mm512_permutex2var_ps(low, first, high));
-    _mm512_storeu_ps(slice + 16, _mm512_permutex2var_ps(low, second, high));
+    store_natural(slice, _mm512_loadu_ps(slice), _mm512_loadu_ps(slice + 16));
   }
   // The same, each float first multiplied by `scale`.
   static void unpacked_to_natural(float* slice, V scale) {
-    const __m512 low = _mm512_mul_ps(scale, _mm512_loadu_ps(slice)), high = _mm512_mul_ps(scale, _mm512_loadu_ps(slice + 16));
+    store_natural(slice, _mm512_mul_ps(scale, _mm512_loadu_ps(slice)), _mm512_mul_ps(scale, _mm512_loadu_ps(slice + 16)));
+  }
+  // natural dims 8k..8k+7 = low lanes 4k..4k+3, then high lanes 4k..4k+3
+  static void store_natural(float* slice, __m512 low, __m512 high) {
     const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
     _mm512_storeu_ps(slice, _mm512_permutex2var_ps(low, first, high));
