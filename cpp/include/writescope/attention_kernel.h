@@ -524,8 +524,11 @@ struct ItemKernel {
         row_max[g] = kNegInf;
         row_sum[g] = 0.0f;
       }
-      if (item.token_begin == item.token_end)
+      if (item.token_begin == item.token_end) {  // planned items hold tokens; the empty partial all the same
         for (int64_t i = 0; i < group * dim_v; ++i) item.out[i] = 0.0f;
+        for (int64_t g = 0; g < group; ++g) item.lse[g] = kNegInf;
+        return;
+      }
       for (int64_t begin = item.token_begin; begin < item.token_end; begin += kTileTokens) {
         const int64_t count = item.token_end - begin < kTileTokens ? item.token_end - begin : kTileTokens;
         gather_rows(item, begin, count);
