@@ -348,6 +348,12 @@ void merge_partials(const py::array& outs, const py::array& lses, py::array& out
 }
 
 namespace {
+// Adds to a shared sum (the probes' results, kept so no read or burst is optimised away).
+void add_to(std::atomic<double>* sink, double value) {
+  double current = sink->load();
+  while (!sink->compare_exchange_weak(current, current + value)) {
+  }
+}
 struct ReadJob {
   const IsaKernels* kernels;
   const float* data;
@@ -360,10 +366,7 @@ void read_slice(void* context, int64_t slice, int) {
   const int64_t begin = slice * per;
   const int64_t end = begin + per < job.count ? begin + per : job.count;
   if (begin >= end) return;
-  const double sum = job.kernels->read_sum(job.data + begin, end - begin);
-  double current = job.sink->load();
-  while (!job.sink->compare_exchange_weak(current, current + sum)) {
-  }
+  add_to(job.sink, job.kernels->read_sum(job.data + begin, end - begin));
 }
 // Ranges read in list order: slice i of `slices` takes the i-th contiguous share of the list, as a
 // kernel thread takes consecutive blocks of one work item.
@@ -380,9 +383,7 @@ void read_ranges_slice(void* context, int64_t slice, int) {
   const int64_t begin = n * slice / job.slices, end = n * (slice + 1) / job.slices;
   double sum = 0.0;
   for (int64_t i = begin; i < end; ++i) sum += job.kernels->read_sum(job.starts[i], job.counts[i]);
-  double current = job.sink->load();
-  while (!job.sink->compare_exchange_weak(current, current + sum)) {
-  }
+  add_to(job.sink, sum);
 }
 struct FillJob {
   float* data;
@@ -404,9 +405,7 @@ void fma_item(void* context, int64_t, int) {
   const double value = job.kind == MacKind::kDot    ? job.kernels->dot_burst(job.iterations)
                        : job.kind == MacKind::kTile ? job.kernels->tile_burst(job.iterations)
                                                     : job.kernels->fma_burst(job.iterations);
-  double current = job.sink->load();
-  while (!job.sink->compare_exchange_weak(current, current + value)) {
-  }
+  add_to(job.sink, value);
 }
 }  // namespace
 
@@ -432,21 +431,31 @@ std::vector<double> read_bandwidth(int64_t num_bytes, int repeats) {
   return gbps;
 }
 
-double stream_read_seconds(const std::vector<py::object>& buffers) {
+// The probes' buffers: numpy arrays as they are (converting anything else would read a copy, not
+// the bytes asked about), C-contiguous.
+std::vector<py::array> probe_arrays(const std::vector<py::object>& buffers) {
   if (buffers.empty()) fail("buffers: expected at least one array, got none");
+  std::vector<py::array> arrays;
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const std::string name = "buffers[" + std::to_string(i) + "]";
+    if (!py::isinstance<py::array>(buffers[i]))
+      fail(name + ": expected a numpy array, got " + std::string(py::str(py::type::of(buffers[i]).attr("__name__"))));
+    arrays.push_back(py::reinterpret_borrow<py::array>(buffers[i]));
+    check_c_contiguous(arrays.back(), name.c_str());
+  }
+  return arrays;
+}
+
+double stream_read_seconds(const std::vector<py::object>& buffers) {
+  const std::vector<py::array> arrays = probe_arrays(buffers);
   std::vector<ReadJob> jobs;
   std::atomic<double> sink{0.0};
   Runtime& rt = runtime();
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    const std::string name = "buffers[" + std::to_string(i) + "]";
-    // an array as it is: converting anything else would read a copy, not the bytes asked about
-    if (!py::isinstance<py::array>(buffers[i]))
-      fail(name + ": expected a numpy array, got " + std::string(py::str(py::type::of(buffers[i]).attr("__name__"))));
-    const auto array = py::reinterpret_borrow<py::array>(buffers[i]);
-    check_c_contiguous(array, name.c_str());
-    const int64_t count = static_cast<int64_t>(array.nbytes()) / 4;  // read as float32 words
-    if (count < 1) fail(name + ": must hold at least 4 bytes, got " + std::to_string(array.nbytes()));
-    jobs.push_back(ReadJob{rt.kernels, static_cast<const float*>(array.data()), count, 0, &sink});
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const int64_t count = static_cast<int64_t>(arrays[i].nbytes()) / 4;  // read as float32 words
+    if (count < 1)
+      fail("buffers[" + std::to_string(i) + "]: must hold at least 4 bytes, got " + std::to_string(arrays[i].nbytes()));
+    jobs.push_back(ReadJob{rt.kernels, static_cast<const float*>(arrays[i].data()), count, 0, &sink});
   }
   py::gil_scoped_release release;
   std::lock_guard<std::mutex> lock(rt.mutex);
@@ -457,15 +466,7 @@ double stream_read_seconds(const std::vector<py::object>& buffers) {
 }
 
 double ranges_read_seconds(const std::vector<py::object>& buffers, const py::array& ranges) {
-  if (buffers.empty()) fail("buffers: expected at least one array, got none");
-  std::vector<py::array> arrays;
-  for (size_t i = 0; i < buffers.size(); ++i) {
-    const std::string name = "buffers[" + std::to_string(i) + "]";
-    if (!py::isinstance<py::array>(buffers[i]))
-      fail(name + ": expected a numpy array, got " + std::string(py::str(py::type::of(buffers[i]).attr("__name__"))));
-    arrays.push_back(py::reinterpret_borrow<py::array>(buffers[i]));
-    check_c_contiguous(arrays.back(), name.c_str());
-  }
+  const std::vector<py::array> arrays = probe_arrays(buffers);
   check_ndim(ranges, "ranges", 2, "[num_ranges, 3] (buffer index, byte offset, bytes)");
   if (ranges.dtype().kind() != 'i' || ranges.itemsize() != 8)
     fail("ranges: expected int64, got " + std::string(py::str(ranges.dtype())));

@@ -127,3 +127,11 @@ def test_page_sizes_are_contestants_too(two_builds):
                               "--pages", "4k", "2m", "--cold-mib", "1", "--rounds", "1"])
     assert [row["pages"] for row in rows] == ["4k", "2m"]
     assert all(row["kernel_ms"] > 0 for row in rows)
+
+
+def test_each_round_starts_one_contestant_further_on():
+    orders = [bench_cpu_ab.round_order(["a", "b", "c"], r) for r in range(4)]
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    # each contestant goes first once per cycle of rounds
+    firsts = [order[0] for order in orders[:3]]
+    assert sorted(firsts) == ["a", "b", "c"]

@@ -717,6 +717,7 @@ struct PairedKernel {
   // Qwen3-MoE 1.16x, Mixtral 1.07x. Asking for the lines two tiles ahead instead of one measured
   // 0.95x and 1.02x for Qwen3-MoE and Mixtral. The rounding is update_softmax's (online_softmax's
   // bf16_out).
+
   // GT heads x NV vectors of W dims, over the tile's token pairs; a lone last token through an FMA
   // of its float32 probability (lone_token: its pair's second slot may hold NaN, which a zero
   // probability would not cancel in a dot).
