@@ -28,3 +28,18 @@ def make_paged(seq_lens, block_size, num_kv_heads=2, group=4, head_dim=64, spare
     q = torch.randn(len(seq_lens), num_kv_heads * group, head_dim)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     return tuple(t.to(device) for t in (q, k_cache, v_cache, table, lens))
+
+
+def stepped_scores(num_kv_heads=2, group=4, head_dim=64, dtype=torch.bfloat16):
+    """q [num_kv_heads * group, head_dim], k, v [num_kv_heads, 613, head_dim] whose scores (at scale
+    head_dim^-0.5) follow a profile in every head: a rise of ~16 over the first 320 tokens (~3 a
+    64-token tile, less than a kernel's rescale slack, so a running max may lag the scores), a jump of
+    ~240 for tokens 320-399 (a tile whose max passes the running one by far: what came before must
+    vanish), ~-160 for 400-499 (probabilities that underflow to 0) and ~236 from 500 on (a little
+    under the jump: probabilities of e^-4 and so against a max set tiles before)."""
+    q = 1.0 + 0.1 * torch.randn(num_kv_heads * group, head_dim)  # q . (b, b, ...) ~ b * head_dim
+    offsets = torch.cat([torch.linspace(0.0, 2.0, 320), torch.full((80,), 30.0), torch.full((100,), -20.0),
+                         torch.full((113,), 29.5)])
+    k = 0.1 * torch.randn(num_kv_heads, 613, head_dim) + offsets[None, :, None]
+    v = torch.randn(num_kv_heads, 613, head_dim)
+    return q.to(dtype), k.to(dtype), v.to(dtype)

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.inputs import make_inputs, make_paged
+from tests.inputs import make_inputs, make_paged, stepped_scores
 from tests.tolerances import ATTENTION_OUT, MERGE, assert_partials_close, cpu_out_tolerance
 from writescope import _cpu, ops
 
@@ -76,6 +76,14 @@ def test_mla_running_max_grows_tile_after_tile(cpu_variant, chunk_tokens):
                          chunk_tokens=chunk_tokens)
     ref_out, ref_lse = ops.partial_attention(q, k, k[..., :512], scale=192**-0.5, backend="torch")
     assert_partials_close(out[0], lse[0], ref_out, ref_lse, cpu_out_tolerance(q.dtype, k.dtype, k[..., :512]))
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_scores_that_creep_jump_and_underflow(cpu_variant, group):
+    # The running max lags rises smaller than the rescale slack, moves for a jump of ~240 (the earlier
+    # tiles' sums vanish), and later tiles a little under it reuse it; a build that never moved it
+    # after the first tile overflowed to NaN here.
+    check_against_reference(*stepped_scores(group=group))
 
 
 @pytest.mark.parametrize(("num_q_heads", "head_dim"), [(16, 72), (32, 64), (16, 66), (48, 128)])

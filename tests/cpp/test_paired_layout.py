@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.cpp.test_bad_arguments import call_kernel, valid_kernel_args
+from tests.inputs import stepped_scores
 from tests.tolerances import assert_partials_close, cpu_out_tolerance
 from writescope import _cpu, ops, reference
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
@@ -53,6 +54,24 @@ def test_lengths(cpu_variant, lens):
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 8, 16])
 def test_group(cpu_variant, group):
     check(*paged([613, 77], 16, group=group))
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_scores_that_creep_jump_and_underflow(cpu_variant, group):
+    # See the token-major test of the same name: the paired kernel's softmax is the same function.
+    q, k, v = stepped_scores(group=group)
+    blocks = 39  # 613 tokens in blocks of 16, shuffled
+    order = torch.randperm(blocks)
+
+    def stored(array):
+        padded = torch.cat([array, torch.zeros(array.shape[0], blocks * 16 - 613, array.shape[-1], dtype=array.dtype)], 1)
+        by_block = padded.unflatten(1, (blocks, 16)).transpose(0, 1)  # [logical block, kv, 16, dim]
+        physical = torch.empty_like(by_block)
+        physical[order] = by_block
+        return physical
+
+    table = order.to(torch.int32)[None]
+    check(q[None], ops.KVSource(stored(k), stored(v), table, torch.tensor([613], dtype=torch.int32)))
 
 
 # 70: an odd count of dim pairs (the bf16 dot score loop sums even and odd pairs apart)

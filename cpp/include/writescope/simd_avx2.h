@@ -69,6 +69,7 @@ struct Avx2Simd {
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static bool any_greater(V x, float bound) { return _mm256_movemask_ps(_mm256_cmp_ps(x, set1(bound), _CMP_GT_OQ)) != 0; }
   static float reduce_add(V x) {
     __m128 sum = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));

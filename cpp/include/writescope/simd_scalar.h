@@ -74,6 +74,7 @@ struct ScalarSimd {
   static V max(V a, V b) { return a > b ? a : b; }
   static float reduce_add(V x) { return x; }
   static float reduce_max(V x) { return x; }
+  static bool any_greater(V x, float bound) { return x > bound; }
   static void reduce_add_8(V x0, V x1, V x2, V x3, V x4, V x5, V x6, V x7, float* out) {
     out[0] = x0, out[1] = x1, out[2] = x2, out[3] = x3, out[4] = x4, out[5] = x5, out[6] = x6, out[7] = x7;
   }
