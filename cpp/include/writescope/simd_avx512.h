@@ -61,6 +61,8 @@ struct Avx512Simd {
   static float reduce_add(V x) { return _mm512_reduce_add_ps(x); }
   static float reduce_max(V x) { return _mm512_reduce_max_ps(x); }
   static bool any_greater(V x, float bound) { return _mm512_cmp_ps_mask(x, set1(bound), _CMP_GT_OQ) != 0; }
+  static __mmask16 greater_lanes(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+  static V take_lanes(__mmask16 lanes, V from, V into) { return _mm512_mask_mov_ps(into, lanes, from); }
   // Eight horizontal sums at once: fold each vector to 256 bits, then one hadd tree.
   static void reduce_add_8(V x0, V x1, V x2, V x3, V x4, V x5, V x6, V x7, float* out) {
     _mm256_storeu_ps(out, Avx2Fold::transpose_sum_8(fold(x0), fold(x1), fold(x2), fold(x3), fold(x4), fold(x5),
