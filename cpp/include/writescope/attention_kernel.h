@@ -955,9 +955,17 @@ struct ItemKernel {
   void lane_softmax(int64_t count, float* acc) {
     for (int64_t c = 0; c < group / W; ++c) {
       float* row = lane_scores_at(c, 0);
-      V maxima[4] = {S::set1(kNegInf), S::set1(kNegInf), S::set1(kNegInf), S::set1(kNegInf)};
-      for (int64_t t = 0; t < count; ++t) maxima[t % 4] = S::max(maxima[t % 4], S::load(row + t * W));
-      const V tile_max = S::max(S::max(maxima[0], maxima[1]), S::max(maxima[2], maxima[3]));
+      // four chains in registers (an array indexed t % 4 stayed on the stack)
+      V m0 = S::set1(kNegInf), m1 = m0, m2 = m0, m3 = m0;
+      int64_t t = 0;
+      for (; t + 4 <= count; t += 4) {
+        m0 = S::max(m0, S::load(row + t * W));
+        m1 = S::max(m1, S::load(row + (t + 1) * W));
+        m2 = S::max(m2, S::load(row + (t + 2) * W));
+        m3 = S::max(m3, S::load(row + (t + 3) * W));
+      }
+      for (; t < count; ++t) m0 = S::max(m0, S::load(row + t * W));
+      const V tile_max = S::max(S::max(m0, m1), S::max(m2, m3));
       const V old_max = S::load(row_max + c * W);
       // -inf + slack stays -inf: the first tile with a finite score moves the max
       const auto moved = S::greater_lanes(tile_max, S::add(old_max, S::set1(kRescaleSlack)));
