@@ -64,7 +64,8 @@ def test_scores_that_creep_jump_and_underflow(cpu_variant, group):
     order = torch.randperm(blocks)
 
     def stored(array):
-        padded = torch.cat([array, torch.zeros(array.shape[0], blocks * 16 - 613, array.shape[-1], dtype=array.dtype)], 1)
+        tail = torch.zeros(array.shape[0], blocks * 16 - 613, array.shape[-1], dtype=array.dtype)
+        padded = torch.cat([array, tail], 1)
         by_block = padded.unflatten(1, (blocks, 16)).transpose(0, 1)  # [logical block, kv, 16, dim]
         physical = torch.empty_like(by_block)
         physical[order] = by_block
