@@ -7,7 +7,9 @@ and times them in turns on the same inputs: each round runs every contestant on 
 of the KV (as `bench_cpu_attention.py` lays them out: at least --cold-mib between two reads of the
 same bytes), so a drift falls on all alike. Every contestant's result is checked against the float32
 torch reference first. Reports each one's median wall time and 10th percentile, the median of the
-kernel's own seconds (its return value: no Python), and each median over the first contestant's.
+kernel's own seconds (its return value: no Python), and each median over the first contestant's;
+after every round it reads one copy of the KV whole (the first build's probe) and reports the host's
+read rate, median and range, which says what stretch of a shared host the run met.
 
     git worktree add /tmp/before HEAD~1 && (cd /tmp/before && python setup.py build_ext --inplace)
     python tools/bench_cpu_ab.py --builds /tmp/before/core/_cpu*.so core/_cpu*.so --shape mixtral
@@ -42,7 +44,7 @@ import time
 import torch
 
 from writescope import ops, reference
-from writescope.tools.bench_cpu_attention import SHAPES, cache_source, copies_for, kv_bytes, make_inputs
+from writescope.tools.bench_cpu_attention import SHAPES, cache_source, copies_for, kv_bytes, make_inputs, probe_buffers
 from writescope.tools.results import check_positive, write_json
 
 log = logging.getLogger("bench_cpu_ab")
@@ -147,9 +149,12 @@ def call(module, q, source: ops.KVSource, scale: float, out, lse, chunk_tokens: 
 
 
 def measure(contestants: list[Contestant], modules: list, shape, seq_len: int, cold_bytes: int,
-            rounds: int) -> list[tuple[list[float], list[float]]]:
+            rounds: int) -> tuple[list[tuple[list[float], list[float]]], list[float]]:
     """(wall seconds, kernel seconds) of every call, per contestant, taking turns round by round, the
-    order rotated each round."""
+    order rotated each round; and after each round, the host's whole-array read of one KV copy in
+    GB/s (the first build's probe and pool; empty where that build has no probe). The read says
+    which stretch of a shared host a run met: on a 2-vCPU Zen 4 it moved between 31 and 58 GB/s
+    within an hour, and a change to a memory-bound row can only show where the memory is fast."""
     q, k, v = make_inputs(shape, seq_len)
     scale = shape.head_dim_qk**-0.5
     num_copies = copies_for(shape, seq_len, cold_bytes)
@@ -178,6 +183,9 @@ def measure(contestants: list[Contestant], modules: list, shape, seq_len: int, c
     times = [([], []) for _ in contestants]
     turn = 0
     entries = list(zip(contestants, modules, times, strict=True))
+    first_copies = sources[next(iter(layouts))]
+    read = getattr(modules[0], "stream_read_seconds", None)
+    host_read_gbps = []
     for round_index in range(rounds):
         for contestant, module, (walls, kernels) in round_order(entries, round_index):
             copies = sources[contestant.block_size, contestant.run_blocks, contestant.pages]
@@ -187,7 +195,11 @@ def measure(contestants: list[Contestant], modules: list, shape, seq_len: int, c
                 began = time.perf_counter()
                 kernels.append(call(module, q[None], source, scale, out, lse, contestant.chunk_tokens))
                 walls.append(time.perf_counter() - began)
-    return times
+        if read is not None:
+            host_read_gbps.append(kv_bytes(shape, seq_len) / read(probe_buffers(shape, first_copies[turn % num_copies]))
+                                  / 1e9)
+            turn += 1
+    return times, host_read_gbps
 
 
 def round_order(entries: list, round_index: int) -> list:
@@ -287,8 +299,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for module in modules:
                 module.set_num_threads(args.threads)
         torch.manual_seed(0)
-        times = measure(contestants, modules, shape, args.seq_len, args.cold_mib << 20, args.rounds)
+        times, host_read_gbps = measure(contestants, modules, shape, args.seq_len, args.cold_mib << 20, args.rounds)
     rows = summarize(contestants, modules, times, shape, args.seq_len, args.threads)
+    if host_read_gbps:
+        log.info("host whole-array read of the same KV after each round: median %.1f GB/s (%.1f-%.1f)",
+                 statistics.median(host_read_gbps), min(host_read_gbps), max(host_read_gbps))
     for row in rows:
         log.info("%s L=%d %s (variant %s, block %d, runs of %d, %s pages, chunk %s, %d threads): median %.3f ms, "
                  "p10 %.3f ms, kernel %.3f ms, %.1f GB/s, %.2fx the first", row["shape"], row["seq_len"], row["build"],
@@ -296,7 +311,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  row["threads"],
                  row["median_ms"], row["p10_ms"], row["kernel_ms"], row["kv_gbps"], row["speedup_vs_first"])
     if args.out:
-        write_json(args.out, {"rows": rows, "rounds": args.rounds, "cold_mib": args.cold_mib})
+        write_json(args.out, {"rows": rows, "rounds": args.rounds, "cold_mib": args.cold_mib,
+                              "host_read_gbps": host_read_gbps})
     return rows
 
 

@@ -33,7 +33,10 @@ def test_builds_take_turns_and_are_compared_to_the_first(two_builds, tmp_path):
     assert rows[0]["calls"] == rows[1]["calls"] >= 2 * 3  # every build ran in every round
     for row in rows:
         assert row["p10_ms"] <= row["median_ms"]
-    assert json.loads(out.read_text())["rows"] == rows
+    result = json.loads(out.read_text())
+    assert result["rows"] == rows
+    # the host's read of the same KV after every round: which stretch of a shared host the run met
+    assert len(result["host_read_gbps"]) == 2 and all(gbps > 0 for gbps in result["host_read_gbps"])
 
 
 def test_one_build_runs_once_per_variant_each_with_its_own(two_builds):
