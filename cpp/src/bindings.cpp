@@ -7,6 +7,7 @@
 #include "dense.h"
 #include "launcher.h"
 #include "runtime.h"
+#include "writescope/pacing.h"
 
 namespace py = pybind11;
 using namespace writescope;
@@ -106,6 +107,35 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("layout"), py::arg("group"), py::arg("head_dim_qk"), py::arg("head_dim_v"), py::arg("block_size"),
       "The instructions (tile, dot or fma) of QK and of PV for bf16 q and KV of this shape, with the current "
       "variant on this CPU.");
+  m.def("pacing", [] { return runtime().pace_loops; },
+        "Whether the paired kernel paces its loops to the memory rate (searched online per thread and shape; "
+        "WRITESCOPE_CPU_PACING=auto, the default, or off).");
+  m.def(
+      "set_pacing",
+      [](bool on) {
+        std::lock_guard<std::mutex> lock(runtime().mutex);
+        runtime().pace_loops = on;
+      },
+      py::arg("on"), "Turns the paired kernel's pacing on or off for this process.");
+  m.def(
+      "simulate_pacing",
+      [](const std::vector<double>& cost_per_level, int64_t items) {
+        if (static_cast<int>(cost_per_level.size()) != kPaceLevels)
+          throw py::value_error("cost_per_level must hold " + std::to_string(kPaceLevels) + " costs (one per level), got " +
+                                std::to_string(cost_per_level.size()));
+        if (items < 0) throw py::value_error("items must be >= 0, got " + std::to_string(items));
+        PaceController controller;
+        std::vector<int> levels;
+        for (int64_t i = 0; i < items; ++i) {
+          const int level = controller.choose();
+          levels.push_back(level);
+          controller.record(level, cost_per_level[level]);
+        }
+        return levels;
+      },
+      py::arg("cost_per_level"), py::arg("items"),
+      "The levels the pacing search runs `items` items at, each item at level l costing cost_per_level[l] "
+      "seconds per token: the controller the kernel uses, on a given cost curve.");
   m.def("uses_bf16_dot", [] { return runtime().bf16_dot_faster; },
         "Whether the kernels take bf16 q.K and PV (the probabilities rounded to bf16) through the bf16 dot "
         "product: only where the variant has one and it measured faster than float32 FMAs on this CPU.");

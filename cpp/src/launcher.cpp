@@ -200,6 +200,17 @@ PagedAttentionArgs check_attention_args(const py::array& q, const py::array& k, 
 // ceil(len / chunk_tokens) without overflow for any chunk_tokens >= 1.
 int64_t chunk_count(int64_t len, int64_t chunk_tokens) { return len == 0 ? 0 : 1 + (len - 1) / chunk_tokens; }
 
+// A (sequence, kv head)'s chunk partials, [chunks, group, dim_v] outs then [chunks, group] lses, in
+// whole cache lines. Each chunk's out starts on a line when group * dim_v is a multiple of a line's
+// floats (every real shape): two threads taking neighbouring chunks then never store to one line.
+// Before, a 16-byte-aligned vector put the end of chunk c and the start of chunk c + 1 in one line,
+// which both threads stored every tile (the paired kernel keeps the running output there).
+constexpr int64_t kLineFloats = 64 / sizeof(float);
+int64_t group_partial_floats(int64_t chunks, int64_t group, int64_t dim_v) {
+  const int64_t floats = chunks * group * (dim_v + 1);
+  return (floats + kLineFloats - 1) / kLineFloats * kLineFloats;
+}
+
 // Builds one item per (sequence, kv head, chunk); a sequence of length 0 is written directly.
 void plan_items(AttentionJob& job, int64_t chunk_tokens, float* out, float* lse, std::vector<float>& partials) {
   const PagedAttentionArgs& a = job.args;
@@ -208,14 +219,15 @@ void plan_items(AttentionJob& job, int64_t chunk_tokens, float* out, float* lse,
   for (int64_t s = 0; s < a.num_seqs; ++s) {
     const int64_t chunks = chunk_count(a.seq_lens[s], chunk_tokens);
     if (chunks > 1) {
-      partial_floats += a.num_kv_heads * chunks * g * (dim_v + 1);
+      partial_floats += a.num_kv_heads * group_partial_floats(chunks, g, dim_v);
       num_groups += a.num_kv_heads;
     }
   }
-  if (static_cast<int64_t>(partials.size()) < partial_floats) partials.resize(partial_floats);
+  // + a line to start on a line boundary
+  if (static_cast<int64_t>(partials.size()) < partial_floats + kLineFloats) partials.resize(partial_floats + kLineFloats);
   job.groups.reserve(num_groups);
   job.remaining = std::make_unique<std::atomic<int64_t>[]>(num_groups);
-  float* next_partial = partials.data();
+  float* next_partial = partials.data() + (-(reinterpret_cast<uintptr_t>(partials.data()) / sizeof(float)) & (kLineFloats - 1));
   for (int64_t s = 0; s < a.num_seqs; ++s) {
     const int64_t len = a.seq_lens[s];
     float* seq_out = out + s * a.num_q_heads * dim_v;
@@ -236,7 +248,7 @@ void plan_items(AttentionJob& job, int64_t chunk_tokens, float* out, float* lse,
       }
       const int64_t group_index = static_cast<int64_t>(job.groups.size());
       ChunkGroup cg{next_partial, next_partial + chunks * g * dim_v, head_out, head_lse, chunks};
-      next_partial += chunks * g * (dim_v + 1);
+      next_partial += group_partial_floats(chunks, g, dim_v);
       job.groups.push_back(cg);
       job.remaining[group_index].store(chunks, std::memory_order_relaxed);
       for (int64_t c = 0; c < chunks; ++c) {
@@ -302,6 +314,7 @@ double paged_attention(const py::array& q, const py::array& k_cache, const py::a
   const auto started = std::chrono::steady_clock::now();  // the pool is ours from here
   job.kernels = rt.kernels;
   job.args.use_bf16_dot = rt.bf16_dot_faster;
+  job.args.pace_loops = rt.pace_loops;
   job.workspaces = &rt.workspaces;
   const int64_t ws_bytes = kernel_workspace_bytes(job.group_size, job.args.head_dim_qk, job.args.head_dim_v,
                                                   scratch_block_size(job.args.layout, job.args.block_size));

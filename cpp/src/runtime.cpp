@@ -167,6 +167,13 @@ void init_runtime_from_env() {
   const auto threads = env_integer("WRITESCOPE_NUM_THREADS", 1, 4096);
   const auto spin = env_integer("WRITESCOPE_POOL_SPIN_US", 0, ThreadPool::kMaxSpinMicroseconds);
   if (spin) ThreadPool::set_spin_microseconds(*spin);
+  const char* pacing = std::getenv("WRITESCOPE_CPU_PACING");
+  if (pacing != nullptr && *pacing != '\0') {
+    const std::string value = pacing;
+    if (value != "auto" && value != "off")
+      throw std::invalid_argument("WRITESCOPE_CPU_PACING must be 'auto' or 'off', got '" + value + "'");
+    runtime().pace_loops = value == "auto";
+  }
   configure_threads(threads ? static_cast<int>(*threads) : affinity_cpu_count(), {});
 }
 

@@ -17,6 +17,8 @@ struct Runtime {
   // The variant's bf16 dot is faster per multiply-add than its float32 FMA on this CPU (measured when
   // the variant is selected): 2x on Zen 5, 0.5x on the Xeons seen, so it cannot be assumed.
   bool bf16_dot_faster = false;
+  // The paired kernel's loops paced online to the memory rate (pacing.h); WRITESCOPE_CPU_PACING.
+  bool pace_loops = true;
   std::unique_ptr<ThreadPool> pool;
   std::vector<std::vector<char>> workspaces;  // one per pool thread, grow-only
   std::vector<float> chunk_partials;          // grow-only
@@ -29,7 +31,8 @@ Runtime& runtime();
 std::vector<std::string> available_variants();
 // Selects a variant by name; throws std::invalid_argument naming the allowed ones.
 void select_variant(const std::string& name);
-// Applies WRITESCOPE_CPU_VARIANT and WRITESCOPE_NUM_THREADS from the environment.
+// Applies WRITESCOPE_CPU_VARIANT, WRITESCOPE_NUM_THREADS, WRITESCOPE_POOL_SPIN_US and
+// WRITESCOPE_CPU_PACING from the environment.
 void init_runtime_from_env();
 // Rebuilds the pool; cpus may be empty (no pinning).
 void configure_threads(int num_threads, const std::vector<int>& cpus);

@@ -39,6 +39,24 @@ def test_builds_take_turns_and_are_compared_to_the_first(two_builds, tmp_path):
     assert len(result["host_read_gbps"]) == 2 and all(gbps > 0 for gbps in result["host_read_gbps"])
 
 
+def test_the_fast_third_of_the_rounds_is_the_top_third_of_the_host_reads():
+    reads = [31.0, 58.0, 33.0, 55.0, 30.0, 60.0]
+    assert bench_cpu_ab.fast_rounds(reads) == [1, 5]
+    assert bench_cpu_ab.fast_rounds([40.0]) == [0]
+    assert bench_cpu_ab.fast_rounds([]) == []
+    # three calls a round: round r's calls are walls[3 r: 3 r + 3]
+    walls = [float(i) for i in range(18)]
+    assert bench_cpu_ab.calls_in_rounds(walls, 6, [1, 5]) == [3.0, 4.0, 5.0, 15.0, 16.0, 17.0]
+
+
+def test_rows_compare_the_builds_in_the_fast_rounds_too(two_builds):
+    rows = bench_cpu_ab.main(["--builds", *two_builds, "--shape", "mixtral", "--seq-len", "256",
+                              "--cold-mib", "1", "--rounds", "3"])
+    assert rows[0]["fast_rounds"] == rows[1]["fast_rounds"] >= 1
+    assert rows[0]["fast_rounds_speedup_vs_first"] == 1.0
+    assert all(row["fast_rounds_median_ms"] > 0 for row in rows)
+
+
 def test_one_build_runs_once_per_variant_each_with_its_own(two_builds):
     variants = _cpu.available_variants()[-2:]  # the two lowest this CPU runs (scalar and one more, or scalar)
     rows = bench_cpu_ab.main(["--builds", two_builds[0], "--variants", *variants, "--shape", "qwen3-moe",

@@ -41,6 +41,7 @@ struct PagedAttentionArgs {
   int64_t block_table_stride;
   const int32_t* seq_lens;
   bool use_bf16_dot;  // bf16 q.K through the variant's bf16 dot (where it has one and it is the faster here)
+  bool pace_loops;    // the paired kernel's loops paced to the memory rate, searched online (pacing.h)
   int64_t num_seqs, num_q_heads, num_kv_heads, head_dim_qk, head_dim_v, block_size;
   float scale;
 };

@@ -18,6 +18,7 @@
 // the dot path's bf16 probabilities move an output dim by at most 2^-9 of the largest |V| it averages.
 #pragma once
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,9 +26,46 @@
 
 #include "writescope/attention_kernel.h"
 #include "writescope/kernel_args.h"
+#include "writescope/pacing.h"
 
 namespace writescope {
 namespace {
+
+// One link of the pacing chain: a multiply the compiler keeps and cannot overlap with the last.
+WS_INLINE void hold(int64_t& chain) {
+#if defined(__x86_64__)
+  asm volatile("imul $3, %0, %0" : "+r"(chain));
+#else
+  chain = *static_cast<volatile int64_t*>(&chain) * 3;
+#endif
+}
+
+// This thread's pace controllers (pacing.h), one per shape it ran recently: a pool thread keeps its
+// own across calls, so each searches under the load it actually meets.
+class PaceTable {
+ public:
+  // The controller of shape `key` (nonzero), taking the oldest slot for a shape not seen recently.
+  PaceController& find(int64_t key) {
+    for (int i = 0; i < kSlots; ++i)
+      if (keys_[i] == key) return controllers_[i];
+    const int slot = next_;
+    next_ = (next_ + 1) % kSlots;
+    keys_[slot] = key;
+    controllers_[slot] = PaceController{};
+    return controllers_[slot];
+  }
+
+ private:
+  static constexpr int kSlots = 8;
+  int64_t keys_[kSlots] = {};
+  PaceController controllers_[kSlots];
+  int next_ = 0;
+};
+
+inline PaceTable& this_thread_paces() {
+  thread_local PaceTable table;
+  return table;
+}
 
 template <class S, class Kv>
 struct PairedKernel {
@@ -101,12 +139,16 @@ struct PairedKernel {
     int64_t k_bytes = 0, v_bytes = 0, num_ranges = 0, range = 0;
     int64_t countdown = 1, period = 1, lines_per_fire = 1;
     int64_t steps = 0;  // steps during the tile, to pace the next tile's lines
+    int64_t delay = 0;  // dependent multiplies a step: the loops' pace (pacing.h)
+    int64_t held = 0;   // and a fire's: delay x period
+    int64_t chain = 1;  // what they multiply
     // The next tile's ranges are set; its total_lines are spread over as many steps as this tile took.
     void reset(int64_t total_lines, int64_t count) {
       const int64_t expected = steps > 0 ? steps : total_lines;
       lines_per_fire = total_lines > expected ? (total_lines + expected - 1) / expected : 1;
       period = total_lines > 0 ? expected * lines_per_fire / total_lines : expected + 1;
       period = period < 1 ? 1 : period;
+      held = delay * period;
       countdown = period;
       num_ranges = count;
       range = 0;
@@ -120,6 +162,7 @@ struct PairedKernel {
     }
     WS_INLINE void fire(int64_t lines) {
       countdown = period;
+      for (int64_t i = 0; i < held; ++i) hold(chain);
       for (int64_t i = 0; i < lines && range < num_ranges; ++i) {
         __builtin_prefetch(line, 0, 2);
         line += 64;
@@ -270,7 +313,23 @@ struct PairedKernel {
     }
   }
 
+  // The shape's key in this thread's PaceTable: group, dims and KV element size.
+  int64_t pace_key() const {
+    return 1 + group + (dim_qk << 12) + (dim_v << 28) + (static_cast<int64_t>(sizeof(T)) << 44);
+  }
+
   void run(const WorkItem& item) {
+    if (!a.pace_loops) return attend(item);
+    PaceController& pacer = this_thread_paces().find(pace_key());
+    const int level = pacer.choose();
+    pf.delay = pace_delay(level);
+    const auto started = std::chrono::steady_clock::now();
+    attend(item);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    pacer.record(level, seconds / static_cast<double>(item.token_end - item.token_begin));
+  }
+
+  void attend(const WorkItem& item) {
     kv_head = item.kv_head;
     load_queries(item);
     if (amx) split_queries();
