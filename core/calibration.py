@@ -136,11 +136,34 @@ def calibrate(cache, cpu_partial, setup: CalibrationSetup, *, force: bool = Fals
         log.warning("the cached calibration no longer holds on this host (its CPU/device time ratio is %.2fx "
                     "what it was, more than %.2fx): measuring again", drift, RECHECK_TOLERANCE)
     timings = measure(cache, cpu_partial, setup, sorted(lengths), repeats)
+    for _ in range(FLAT_FIT_RETRIES):
+        if not flat_side(timings):
+            break
+        # Both sides read more bytes for more tokens: a side whose seconds did not grow with its tokens
+        # met a slower stretch of a shared host at the shorter lengths (a 2-vCPU Zen 4 guest's memory
+        # moved 31-65 GB/s within minutes). Its fit would make it free per token; measure again and fit
+        # every measurement, so a stretch falls on both lengths.
+        log.info("a side's time did not grow with its tokens (%s): measuring again", flat_side(timings))
+        timings += measure(cache, cpu_partial, setup, sorted(lengths), repeats)
     model = fit(timings, sides_share_cores=on_the_cpu)
     log.info("calibrated on %s, batch %d: %s (timings %s)", cache.config.device, setup.batch, model, timings)
     cached[key] = {"model": asdict(model), "timings": timings}
     _store(path, cached)
     return model
+
+
+FLAT_FIT_RETRIES = 2
+
+
+def flat_side(timings: list[dict]) -> str | None:
+    """'cpu' or 'device' when that side's least-squares slope over the timings is not positive (its
+    time did not grow with its tokens), else None."""
+    for side, tokens in (("cpu", "cpu_tokens"), ("device", "device_tokens")):
+        xs, ys = [t[tokens] for t in timings], [t[f"{side}_s"] for t in timings]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        if len(set(xs)) > 1 and sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) <= 0:
+            return side
+    return None
 
 
 def _cached_model(entry, sides_share_cores: bool) -> PerfModel | None:

@@ -43,7 +43,8 @@ def test_calibration_times_both_sides_at_each_length_and_fits_them(engine, cache
     model = engine.calibrate(lengths=LENGTHS)
     (entry,) = stored(cache_dir).values()
     timings = entry["timings"]
-    assert [t["length"] for t in timings] == list(LENGTHS)
+    # each measurement times every length (one more where a side's time came out flat: flat_side)
+    assert [t["length"] for t in timings] in [list(LENGTHS) * n for n in (1, 2, 3)]
     for t in timings:  # half of every sequence on each side (whole blocks: nothing left in the window)
         assert t["cpu_tokens"] == t["device_tokens"] == 2 * t["length"] // 2
         assert 0 < t["cpu_kernel_s"] <= t["cpu_s"]  # the kernel's own seconds are inside the wall time
@@ -305,3 +306,29 @@ class _LongKernel:
     def stop(self):
         self._stop.set()
         self._thread.join()
+
+
+def sides(length, cpu_s, device_s) -> dict:
+    """timing() with the sides run one after the other."""
+    return timing(length, cpu_s, device_s, cpu_s + device_s)
+
+
+def test_a_side_whose_time_did_not_grow_with_its_tokens_is_named():
+    assert calibration.flat_side([sides(1024, 1e-3, 2e-3), sides(4096, 3e-3, 4e-3)]) is None
+    assert calibration.flat_side([sides(1024, 1e-3, 4e-3), sides(4096, 3e-3, 3.9e-3)]) == "device"
+    assert calibration.flat_side([sides(1024, 3e-3, 2e-3), sides(4096, 3e-3, 4e-3)]) == "cpu"
+
+
+def test_a_flat_side_is_measured_again_and_every_measurement_is_fitted(engine, cache_dir, monkeypatch):
+    """A shared host's slower stretch at the shorter length can leave a side's time flat in its tokens,
+    which would fit that side as free per token (a fresh-clone run on a 2-vCPU Zen 4 put the CPU-only
+    host's whole KV on the device path that way, 2026-12-05): calibration measures again and fits all."""
+    rounds = iter([[sides(512, 1e-3, 4e-3), sides(2048, 3e-3, 3.8e-3)],  # the device side flat
+                   [sides(512, 1e-3, 2e-3), sides(2048, 3e-3, 6e-3)]])
+    calls = []
+    monkeypatch.setattr(calibration, "measure", lambda *args: calls.append(args) or next(rounds))
+    model = engine.calibrate(force=True, lengths=LENGTHS)
+    assert len(calls) == 2
+    timings = stored(cache_dir)[next(iter(stored(cache_dir)))]["timings"]
+    assert len(timings) == 4 and calibration.flat_side(timings) is None
+    assert model.transfer_s_per_token > 1e-9  # the pooled fit grows with the device side's tokens
