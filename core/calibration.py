@@ -137,13 +137,14 @@ def calibrate(cache, cpu_partial, setup: CalibrationSetup, *, force: bool = Fals
                     "what it was, more than %.2fx): measuring again", drift, RECHECK_TOLERANCE)
     timings = measure(cache, cpu_partial, setup, sorted(lengths), repeats)
     for _ in range(FLAT_FIT_RETRIES):
-        if not flat_side(timings):
+        flat = flat_side(timings)
+        if flat is None:
             break
         # Both sides read more bytes for more tokens: a side whose seconds did not grow with its tokens
         # met a slower stretch of a shared host at the shorter lengths (a 2-vCPU Zen 4 guest's memory
         # moved 31-65 GB/s within minutes). Its fit would make it free per token; measure again and fit
         # every measurement, so a stretch falls on both lengths.
-        log.info("a side's time did not grow with its tokens (%s): measuring again", flat_side(timings))
+        log.info("a side's time did not grow with its tokens (%s): measuring again", flat)
         timings += measure(cache, cpu_partial, setup, sorted(lengths), repeats)
     model = fit(timings, sides_share_cores=on_the_cpu)
     log.info("calibrated on %s, batch %d: %s (timings %s)", cache.config.device, setup.batch, model, timings)

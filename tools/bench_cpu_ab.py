@@ -17,13 +17,16 @@ read rate, median and range, which says what stretch of a shared host the run me
 The contestants are every combination of --builds, --variants (each build's file copied per variant,
 so each copy keeps its own selection), --block-sizes, --run-blocks (a sequence's blocks in runs of
 that many consecutive physical ids, the runs shuffled), --pages (the KV copies in 4 KB pages, as torch
-allocates them, or in private memory advised for 2 MB transparent huge pages) and --chunk-tokens (the
-work item), in that order; --threads sets every build's pool. For example one build's variants, or
+allocates them, or in private memory advised for 2 MB transparent huge pages), --chunk-tokens (the
+work item) and --pacing, in that order; --threads sets every build's pool. For example one build's variants, or
 one build on two layouts, or on two page sizes:
 
     python tools/bench_cpu_ab.py --builds core/_cpu*.so --variants avx2 avx512 avx512bf16
     python tools/bench_cpu_ab.py --builds core/_cpu*.so --block-sizes 16 64 --run-blocks 16 2048
     python tools/bench_cpu_ab.py --builds core/_cpu*.so --pages 4k 2m
+    python tools/bench_cpu_ab.py --builds core/_cpu*.so --pacing off on
+
+--pacing sets the paired kernel's pacing (`_cpu.set_pacing`) before each of a contestant's calls.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ class Contestant:
     run_blocks: int
     pages: str  # "4k": the copies as torch allocates them; "2m": advised for transparent huge pages
     chunk_tokens: int | None  # None: the kernel sizes its work items itself
+    pacing: str | None = None  # "on" / "off": the paired kernel's pacing (_cpu.set_pacing); None: as built
 
 
 _HUGE_PAGE_BYTES = 2 << 20
@@ -139,9 +143,13 @@ class HugePageArrays:
         return ops.KVSource(k_cache, v_cache, source.block_table, source.seq_lens)
 
 
-def call(module, q, source: ops.KVSource, scale: float, out, lse, chunk_tokens: int | None = None) -> float:
-    """One kernel call; returns the kernel's own seconds.
+def call(module, q, source: ops.KVSource, scale: float, out, lse, chunk_tokens: int | None = None,
+         pacing: str | None = None) -> float:
+    """One kernel call, with the build's pacing set first where `pacing` is given (two contestants of
+    one build share its runtime); returns the kernel's own seconds.
     q [1, num_q_heads, head_dim_qk]; out [1, num_q_heads, head_dim_v]; lse [1, num_q_heads]"""
+    if pacing is not None:
+        module.set_pacing(pacing == "on")
     return module.paged_attention(ops._as_numpy(q), ops._as_numpy(source.k_cache), ops._as_numpy(source.v_cache),
                                   ops._as_numpy(source.block_table), ops._as_numpy(source.seq_lens), out.numpy(),
                                   lse.numpy(), q_dtype="bfloat16", kv_dtype="bfloat16", layout=source.layout,
@@ -173,7 +181,7 @@ def measure(contestants: list[Contestant], modules: list, shape, seq_len: int, c
     ref_out, ref_lse = ops.partial_attention(q, k, v, scale=scale, backend="torch")
     for contestant, module in zip(contestants, modules, strict=True):
         call(module, q[None], sources[contestant.block_size, contestant.run_blocks, contestant.pages][0], scale, out,
-             lse, contestant.chunk_tokens)
+             lse, contestant.chunk_tokens, contestant.pacing)
         # a build on its bf16-dot path rounds the probabilities to bf16 (see ops.cpu_rounds_probabilities)
         rounds_probabilities = getattr(module, "uses_bf16_dot", lambda: False)()
         rounding = reference.probability_rounding_atol(v) if rounds_probabilities else 0.0
@@ -193,7 +201,8 @@ def measure(contestants: list[Contestant], modules: list, shape, seq_len: int, c
                 source = copies[turn % num_copies]
                 turn += 1
                 began = time.perf_counter()
-                kernels.append(call(module, q[None], source, scale, out, lse, contestant.chunk_tokens))
+                kernels.append(call(module, q[None], source, scale, out, lse, contestant.chunk_tokens,
+                                    contestant.pacing))
                 walls.append(time.perf_counter() - began)
         if read is not None:
             host_read_gbps.append(kv_bytes(shape, seq_len) / read(probe_buffers(shape, first_copies[turn % num_copies]))
@@ -243,7 +252,8 @@ def summarize(contestants: list[Contestant], modules: list, times, shape, seq_le
         rows.append({"build": contestant.build, "variant": getattr(module, "__cpu_variant__", "?"),
                      "block_size": contestant.block_size, "run_blocks": contestant.run_blocks,
                      "pages": contestant.pages,
-                     "chunk_tokens": contestant.chunk_tokens, "threads": threads or module.num_threads(),
+                     "chunk_tokens": contestant.chunk_tokens, "pacing": contestant.pacing,
+                     "threads": threads or module.num_threads(),
                      "shape": shape.name, "seq_len": seq_len, "calls": len(walls),
                      "median_ms": median * 1e3, "p10_ms": sorted(walls)[len(walls) // 10] * 1e3,
                      "kernel_ms": statistics.median(kernels) * 1e3,
@@ -253,10 +263,10 @@ def summarize(contestants: list[Contestant], modules: list, times, shape, seq_le
 
 
 def contestants_of(args) -> list[Contestant]:
-    return [Contestant(build, variant, block_size, run_blocks, pages, chunk_tokens)
-            for build, variant, block_size, run_blocks, pages, chunk_tokens in itertools.product(
+    return [Contestant(build, variant, block_size, run_blocks, pages, chunk_tokens, pacing)
+            for build, variant, block_size, run_blocks, pages, chunk_tokens, pacing in itertools.product(
                 args.builds, args.variants or [None], args.block_sizes, args.run_blocks, args.pages,
-                args.chunk_tokens or [None])]
+                args.chunk_tokens or [None], args.pacing or [None])]
 
 
 def load(contestants: list[Contestant], workdir: str) -> list:
@@ -267,6 +277,9 @@ def load(contestants: list[Contestant], workdir: str) -> list:
             modules.append(load_build(contestant.build, index))
         else:
             modules.append(load_variant(contestant.build, index, contestant.variant, workdir))
+        if contestant.pacing is not None and not hasattr(modules[-1], "set_pacing"):
+            raise ValueError(f"--pacing: {contestant.build!r} has no pacing (built before it): give --pacing "
+                             f"only with builds that have it")
     return modules
 
 
@@ -308,6 +321,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "huge pages")
     parser.add_argument("--chunk-tokens", nargs="+", type=int, default=None,
                         help="tokens per work item (default: sized by the kernel)")
+    parser.add_argument("--pacing", nargs="+", default=None, choices=["on", "off"],
+                        help="the paired kernel's pacing, set before each call (default: each build's own)")
     parser.add_argument("--threads", type=int, default=None, help="kernel threads of every build (default: theirs)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args(argv)
@@ -330,10 +345,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         log.info("host whole-array read of the same KV after each round: median %.1f GB/s (%.1f-%.1f)",
                  statistics.median(host_read_gbps), min(host_read_gbps), max(host_read_gbps))
     for row in rows:
-        log.info("%s L=%d %s (variant %s, block %d, runs of %d, %s pages, chunk %s, %d threads): median %.3f ms, "
-                 "p10 %.3f ms, kernel %.3f ms, %.1f GB/s, %.2fx the first", row["shape"], row["seq_len"], row["build"],
-                 row["variant"], row["block_size"], row["run_blocks"], row["pages"], row["chunk_tokens"] or "auto",
-                 row["threads"],
+        log.info("%s L=%d %s (variant %s, block %d, runs of %d, %s pages, chunk %s, pacing %s, %d threads): "
+                 "median %.3f ms, p10 %.3f ms, kernel %.3f ms, %.1f GB/s, %.2fx the first", row["shape"],
+                 row["seq_len"], row["build"], row["variant"], row["block_size"], row["run_blocks"], row["pages"],
+                 row["chunk_tokens"] or "auto", row["pacing"] or "as built", row["threads"],
                  row["median_ms"], row["p10_ms"], row["kernel_ms"], row["kv_gbps"], row["speedup_vs_first"])
         if "fast_rounds" in row:
             log.info("  in the %d rounds whose host read was in the top third: median %.3f ms, %.2fx the first",

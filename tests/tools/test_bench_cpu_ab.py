@@ -156,3 +156,17 @@ def test_each_round_starts_one_contestant_further_on():
     # each contestant goes first once per cycle of rounds
     firsts = [order[0] for order in orders[:3]]
     assert sorted(firsts) == ["a", "b", "c"]
+
+
+def test_pacing_on_and_off_are_contestants_of_one_build(two_builds):
+    rows = bench_cpu_ab.main(["--builds", two_builds[0], "--pacing", "off", "on", "--shape", "mixtral",
+                              "--seq-len", "256", "--cold-mib", "1", "--rounds", "2"])
+    assert [row["pacing"] for row in rows] == ["off", "on"]
+    assert all(row["calls"] >= 2 * 3 for row in rows)
+
+
+def test_pacing_with_a_build_that_has_none_is_refused_by_name(two_builds, capsys, monkeypatch):
+    monkeypatch.setattr(bench_cpu_ab, "load_build", lambda path, index: object())  # a build from before pacing
+    with pytest.raises(SystemExit):
+        bench_cpu_ab.main(["--builds", two_builds[0], "--pacing", "on", "--shape", "mixtral", "--seq-len", "256"])
+    assert "--pacing: " in (err := capsys.readouterr().err) and "has no pacing (built before it)" in err

@@ -49,8 +49,6 @@ class PaceController {
     if (level != best_ && (cost_[best_] == 0 || cost < cost_[best_] * (1 - kPaceMargin))) best_ = level;
   }
 
-  int best() const { return best_; }
-
  private:
   double cost_[kPaceLevels] = {};  // recent seconds per token at each level; 0: not tried
   int best_ = 0;
