@@ -26,6 +26,12 @@ call is therefore followed by a streaming read, with the kernel's threads, of a 
 bytes it reads (the KV arrays as stored, in the same rotation over the copies); "of paired roofline"
 is the median over those rounds of max(that read's time, the compute bound) / the call's time.
 
+Peers in the same minutes: the kernel's rounds and the torch peers take turns in --peer-repeats
+cycles (a block of kernel rounds, then one call of each peer), so a speed ratio is not a fast minute
+of the one against a slow minute of the other (MHA 32K once read 1.7x when the peers ran after all
+the kernel's rounds). Each block starts after a pause and an untimed call (SETTLE_S: torch's threads
+poll for milliseconds after a call and slow whatever runs next).
+
 FLOPs = 2 * num_q_heads * seq_len * (head_dim_qk + head_dim_v)  (QK^T and PV multiply-adds)
 KV bytes = num_kv_heads * seq_len * (head_dim_qk + head_dim_v) * 2, but MLA reads its latent once:
            seq_len * 576 * 2.
@@ -48,7 +54,7 @@ import numpy as np
 import torch
 
 from writescope import _cpu, ops, reference
-from writescope.calibration import cpu_model, median_time_s
+from writescope.calibration import cpu_model
 from writescope.kv_format import to_paired
 from writescope.tools.results import write_json
 
@@ -135,12 +141,6 @@ def copies_for(shape: Shape, seq_len: int, cold_bytes: int) -> int:
     return max(1, -(-cold_bytes // kv_bytes(shape, seq_len)))
 
 
-def rotating(calls):
-    """One callable that runs the next of `calls` each time, round robin."""
-    turn = itertools.cycle(calls)
-    return lambda: next(turn)()
-
-
 def kv_copies(shape: Shape, k, v, num_copies: int, dtype=torch.bfloat16):
     """num_copies (k, v) pairs in distinct memory, as `dtype`; MLA's v stays a prefix view of its k."""
     copies = []
@@ -151,18 +151,56 @@ def kv_copies(shape: Shape, k, v, num_copies: int, dtype=torch.bfloat16):
     return copies
 
 
-def measure_peers(shape, q, k, v, scale, num_copies, warmup, repeats):
-    """Median seconds of each torch peer, every call on the next of num_copies copies of k, v."""
-    peer_fns = {"sdpa_bf16": sdpa, "bmm_softmax_bf16": bmm_softmax, "sdpa_fp32": sdpa}
-    times = {}
-    for name, peer in peer_fns.items():
-        dtype = torch.float32 if name.endswith("fp32") else torch.bfloat16
-        q_in = q.to(dtype)
-        copies = kv_copies(shape, k, v, num_copies, dtype)
-        call = rotating([lambda kc=kc, vc=vc, peer=peer, q_in=q_in: peer(q_in, kc, vc, scale) for kc, vc in copies])
-        times[name] = median_time_s(call, repeats, warmup)
-        del copies, call  # one peer's copies at a time
-    return times
+# After a torch call its OpenMP threads poll for work for a few milliseconds (libgomp's active wait)
+# and take the vCPUs from whatever runs next. Measured on a 2-vCPU Zen 4, Mixtral 8K: the kernel's
+# calls right after two bmm+softmax calls took 1.38 ms against 1.28 with no torch call near; after a
+# 5-100 ms pause 1.24-1.30, but the first call after any pause 1.44-1.46 (its pool wakes up). So the
+# peers and the kernel take turns in blocks, each block after a pause and an untimed wake-up call.
+SETTLE_S = 0.02
+
+
+def peer_calls(shape, q, k, v, scale, num_copies) -> dict:
+    """Each torch peer as a callable that reads the next copy of k, v each call: the two bf16 peers
+    share one rotation over num_copies bf16 copies (so neither reads a copy the other just read), the
+    float32 peer its own."""
+    bf16_turn = itertools.cycle(kv_copies(shape, k, v, num_copies))
+    fp32_turn = itertools.cycle(kv_copies(shape, k, v, num_copies, torch.float32))
+    q32 = q.float()
+    # bmm+softmax first, after wake_torch's call of the same ops (measured: 1.2-2x slower right after
+    # an SDPA call than after a pause, while SDPA right after bmm+softmax kept its pace)
+    return {
+        "bmm_softmax_bf16": lambda: bmm_softmax(q, *next(bf16_turn), scale),
+        "sdpa_bf16": lambda: sdpa(q, *next(bf16_turn), scale),
+        "sdpa_fp32": lambda: sdpa(q32, *next(fp32_turn), scale),
+    }
+
+
+def wake_torch(q, k, v, scale):
+    """An untimed torch call of the peers' ops on the first 64 tokens: wakes torch's threads."""
+    bmm_softmax(q, k[:, :64].contiguous(), v[:, :64].contiguous(), scale)
+
+
+def timed_in_cycles(kernel_turn, peers: dict, wake_peers, repeats: int, cycles: int):
+    """Kernel rounds and peer calls in `cycles` alternating blocks, so both meet the same minutes of a
+    host whose read rate drifts -> (the kernel's rounds, {peer: [seconds per cycle]}). Each cycle: a
+    pause, an untimed kernel turn (the pool wakes), its share of the `repeats` kernel turns; then
+    (with peers) a pause, wake_peers(), one timed call of each peer."""
+    rounds, peer_s = [], {name: [] for name in peers}
+    for cycle in range(cycles):
+        share = -(-(repeats - len(rounds)) // (cycles - cycle))
+        if cycle > 0:
+            time.sleep(SETTLE_S)
+            kernel_turn()
+        rounds.extend({**kernel_turn(), "cycle": cycle} for _ in range(share))
+        if not peers:
+            continue
+        time.sleep(SETTLE_S)
+        wake_peers()
+        for name, call in peers.items():
+            start = time.perf_counter()
+            call()
+            peer_s[name].append(time.perf_counter() - start)
+    return rounds, peer_s
 
 
 def bench_row(shape, seq_len, roofline, args):
@@ -172,12 +210,18 @@ def bench_row(shape, seq_len, roofline, args):
     sources = [cache_source(shape, k, v, torch.Generator().manual_seed(seq_len * 1000 + i), args.run_blocks)
                for i in range(num_copies)]
     check_against_reference(q, sources[0], k, v, scale)
-    kernel_s, read_s, block_read_s = paired_times(shape, q, sources, scale, max(args.warmup, num_copies),
-                                                  args.repeats)
-    del sources
-    peers = {} if args.no_peers else measure_peers(shape, q, k, v, scale, num_copies, 1, args.peer_repeats)
+    kernel_turn = paired_turns(shape, q, sources, scale)
+    for _ in range(max(args.warmup, num_copies)):
+        kernel_turn()
+    peers = {} if args.no_peers else peer_calls(shape, q, k, v, scale, num_copies)
+    for call in peers.values():  # one untimed call each: first-call allocations
+        call()
+    rounds, peer_s = timed_in_cycles(kernel_turn, peers, lambda: wake_torch(q, k, v, scale), args.repeats,
+                                     1 if args.no_peers else args.peer_repeats)
+    del sources, peers
     nbytes, nflops = kv_bytes(shape, seq_len), flops(shape, seq_len)
-    median_kernel_s = statistics.median(kernel_s)
+    median_kernel_s = statistics.median(r["kernel_s"] for r in rounds)
+    peer_medians = {name: statistics.median(times) for name, times in peer_s.items()}
     row = {
         "shape": shape.name,
         "seq_len": seq_len,
@@ -185,12 +229,13 @@ def bench_row(shape, seq_len, roofline, args):
         "kernel_ms": median_kernel_s * 1e3,
         "kv_gbps": nbytes / median_kernel_s / 1e9,
         "gflops": nflops / median_kernel_s / 1e9,
-        "paired_read_gbps": nbytes / statistics.median(read_s) / 1e9,
-        "block_read_gbps": nbytes / statistics.median(block_read_s) / 1e9,
-        "rounds": [{"kernel_s": kernel, "read_s": read, "block_read_s": block_read}
-                   for kernel, read, block_read in zip(kernel_s, read_s, block_read_s, strict=True)],
-        **{f"{name}_ms": t * 1e3 for name, t in peers.items()},
-        **{f"speedup_vs_{name}": t / median_kernel_s for name, t in peers.items()},
+        "paired_read_gbps": nbytes / statistics.median(r["read_s"] for r in rounds) / 1e9,
+        "block_read_gbps": nbytes / statistics.median(r["block_read_s"] for r in rounds) / 1e9,
+        "rounds": rounds,
+        "peer_cycles": [{f"{name}_s": times[c] for name, times in peer_s.items()}
+                        for c in range(len(next(iter(peer_s.values()), [])))],
+        **{f"{name}_ms": t * 1e3 for name, t in peer_medians.items()},
+        **{f"speedup_vs_{name}": t / median_kernel_s for name, t in peer_medians.items()},
     }
     rescale_to_roofline(row, shape, roofline)
     return row
@@ -224,8 +269,8 @@ def block_order_ranges(shape: Shape, source: ops.KVSource, block_size: int = BLO
     return storage, np.array(rows, dtype=np.int64)
 
 
-def paired_times(shape: Shape, q, sources: list, scale: float, warmup: int, repeats: int):
-    """(kernel seconds, read seconds, block-order read seconds) per round. Each round runs the kernel
+def paired_turns(shape: Shape, q, sources: list, scale: float):
+    """A callable running one round -> {kernel_s, read_s, block_read_s}. Each round runs the kernel
     over one copy of the KV, then stream-reads the next copy of the rotation whole with the kernel's
     threads (`_cpu.stream_read_seconds`): the memory roofline of the same bytes, measured next to the
     call it bounds, so a drift of the host's bandwidth between the two cannot pass for the kernel's
@@ -244,12 +289,10 @@ def paired_times(shape: Shape, q, sources: list, scale: float, warmup: int, repe
         ops.cpu_paged_attention_timed(q[None], sources[copy % len(sources)], scale)
         kernel = time.perf_counter() - start
         read = _cpu.stream_read_seconds(buffers[next(reads) % len(sources)])
-        return kernel, read, _cpu.ranges_read_seconds(*ranges[next(reads) % len(sources)])
+        block_read = _cpu.ranges_read_seconds(*ranges[next(reads) % len(sources)])
+        return {"kernel_s": kernel, "read_s": read, "block_read_s": block_read}
 
-    for _ in range(warmup):
-        turn()
-    rounds = [turn() for _ in range(repeats)]
-    return [r[0] for r in rounds], [r[1] for r in rounds], [r[2] for r in rounds]
+    return turn
 
 
 def check_against_reference(q, source, k, v, scale):
@@ -343,7 +386,8 @@ def main(argv: list[str] | None = None):
                         choices=[s.name for s in SHAPES], help="model shapes to run")
     parser.add_argument("--warmup", type=int, default=2, help="untimed kernel calls before timing")
     parser.add_argument("--repeats", type=int, default=9, help="timed kernel calls (median reported)")
-    parser.add_argument("--peer-repeats", type=int, default=3, help="timed calls of each torch peer")
+    parser.add_argument("--peer-repeats", type=int, default=3,
+                        help="timed calls of each torch peer, one in each of as many cycles of kernel rounds")
     parser.add_argument("--no-peers", action="store_true", help="skip the torch peers")
     parser.add_argument("--run-blocks", type=int, default=16,
                         help="consecutive physical blocks per run (16: one window flush; 1: every block shuffled)")
@@ -355,6 +399,9 @@ def main(argv: list[str] | None = None):
     args = parser.parse_args(argv)
     if args.run_blocks < 1:
         parser.error(f"--run-blocks must be >= 1, got {args.run_blocks}")
+    for flag, value in (("--repeats", args.repeats), ("--peer-repeats", args.peer_repeats)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     if args.cold_bytes is None:
         args.cold_bytes = args.read_bytes
     if args.cold_bytes < 0:

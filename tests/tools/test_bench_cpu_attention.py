@@ -52,6 +52,8 @@ def test_rows_carry_the_roofline_the_instructions_and_the_machine(tmp_path):
     (["--seq-lens", "100"], "multiples of the block size 16"),
     (["--run-blocks", "0"], "--run-blocks must be >= 1"),
     (["--cold-bytes", "-1"], "--cold-bytes must be >= 0"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--peer-repeats", "0"], "--peer-repeats must be >= 1"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -59,16 +61,63 @@ def test_bad_arguments_are_refused(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_rotating_calls_visit_every_copy_before_repeating_one():
-    seen = []
-    call = bench.rotating([lambda i=i: seen.append(i) for i in range(3)])
-    for _ in range(7):
-        call()
-    assert seen == [0, 1, 2, 0, 1, 2, 0]
+def test_copies_keep_the_cold_bytes_between_two_reads_of_one():
     mixtral = bench.SHAPES[0]
     per_copy = bench.kv_bytes(mixtral, 1024)
     assert bench.copies_for(mixtral, 1024, 10 * per_copy + 1) == 11
     assert bench.copies_for(mixtral, 1024, 0) == 1
+
+
+def test_the_bf16_peers_share_one_rotation_over_their_copies(monkeypatch):
+    read = []  # the storage each peer call read, by peer
+    for name in ("sdpa", "bmm_softmax"):
+        monkeypatch.setattr(bench, name, lambda q, k, v, scale, name=name: read.append((name, k.dtype, k.data_ptr())))
+    shape = bench.SHAPES[0]
+    q, k, v = bench.make_inputs(shape, 64)
+    peers = bench.peer_calls(shape, q, k, v, 0.1, num_copies=3)
+    for _ in range(3):
+        for call in peers.values():
+            call()
+    bf16 = [ptr for _, dtype, ptr in read if dtype == torch.bfloat16]
+    fp32 = [ptr for _, dtype, ptr in read if dtype == torch.float32]
+    assert len(set(bf16)) == 3 and bf16[:3] == bf16[3:6]  # six calls of two peers: copies 0 1 2 0 1 2
+    assert all(a != b for a, b in zip(bf16, bf16[1:], strict=False))
+    assert len(set(fp32)) == 3 and k.data_ptr() not in bf16 + fp32
+
+
+def test_the_peers_and_the_kernel_take_turns_in_cycles(monkeypatch):
+    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+    log = []
+    counter = iter(range(1000))
+
+    def kernel_turn():
+        log.append("kernel")
+        return {"kernel_s": next(counter)}
+
+    peers = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
+    rounds, peer_s = bench.timed_in_cycles(kernel_turn, peers, lambda: log.append("wake"), repeats=7, cycles=3)
+    # 7 rounds over 3 cycles: 3, 2, 2; every later cycle starts with an untimed kernel turn, every
+    # peer block with the wake-up call
+    assert [r["cycle"] for r in rounds] == [0, 0, 0, 1, 1, 2, 2]
+    assert [r["kernel_s"] for r in rounds] == [0, 1, 2, 4, 5, 7, 8]
+    assert log == (["kernel"] * 3 + ["wake", "a", "b"] + ["kernel"] * 3 + ["wake", "a", "b"]
+                   + ["kernel"] * 3 + ["wake", "a", "b"])
+    assert {name: len(times) for name, times in peer_s.items()} == {"a": 3, "b": 3}
+    rounds, peer_s = bench.timed_in_cycles(kernel_turn, {}, None, repeats=4, cycles=1)
+    assert len(rounds) == 4 and peer_s == {}
+
+
+def test_rows_with_peers_take_the_ratio_of_the_medians(tmp_path):
+    out = tmp_path / "cpu_attention.json"
+    bench.main(["--seq-lens", "64", "--shapes", "mixtral", "deepseek-v2-lite-mla", "--repeats", "4",
+                "--peer-repeats", "2", "--warmup", "0", "--read-bytes", str(1 << 20), "--out", str(out)])
+    for row in json.loads(out.read_text())["rows"]:
+        assert {r["cycle"] for r in row["rounds"]} == {0, 1} and len(row["rounds"]) == 4
+        assert len(row["peer_cycles"]) == 2
+        for name in ("sdpa_bf16", "bmm_softmax_bf16", "sdpa_fp32"):
+            median_s = statistics.median(cycle[f"{name}_s"] for cycle in row["peer_cycles"])
+            assert row[f"{name}_ms"] == pytest.approx(median_s * 1e3)
+            assert row[f"speedup_vs_{name}"] == pytest.approx(median_s * 1e3 / row["kernel_ms"])
 
 
 @pytest.mark.parametrize("shape", bench.SHAPES, ids=lambda s: s.name)
