@@ -183,14 +183,14 @@ def wake_torch(q, k, v, scale):
 def timed_in_cycles(kernel_turn, peers: dict, wake_peers, repeats: int, cycles: int):
     """Kernel rounds and peer calls in `cycles` alternating blocks, so both meet the same minutes of a
     host whose read rate drifts -> (the kernel's rounds, {peer: [seconds per cycle]}). Each cycle: a
-    pause, an untimed kernel turn (the pool wakes), its share of the `repeats` kernel turns; then
-    (with peers) a pause, wake_peers(), one timed call of each peer."""
+    pause, an untimed kernel turn (the pool wakes; the first cycle follows the peers' untimed first
+    calls), its share of the `repeats` kernel turns; then (with peers) a pause, wake_peers(), one
+    timed call of each peer."""
     rounds, peer_s = [], {name: [] for name in peers}
     for cycle in range(cycles):
         share = -(-(repeats - len(rounds)) // (cycles - cycle))
-        if cycle > 0:
-            time.sleep(SETTLE_S)
-            kernel_turn()
+        time.sleep(SETTLE_S)
+        kernel_turn()
         rounds.extend({**kernel_turn(), "cycle": cycle} for _ in range(share))
         if not peers:
             continue

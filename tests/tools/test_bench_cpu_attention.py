@@ -96,15 +96,15 @@ def test_the_peers_and_the_kernel_take_turns_in_cycles(monkeypatch):
 
     peers = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
     rounds, peer_s = bench.timed_in_cycles(kernel_turn, peers, lambda: log.append("wake"), repeats=7, cycles=3)
-    # 7 rounds over 3 cycles: 3, 2, 2; every later cycle starts with an untimed kernel turn, every
-    # peer block with the wake-up call
+    # 7 rounds over 3 cycles: 3, 2, 2; every cycle starts with an untimed kernel turn, every peer
+    # block with the wake-up call
     assert [r["cycle"] for r in rounds] == [0, 0, 0, 1, 1, 2, 2]
-    assert [r["kernel_s"] for r in rounds] == [0, 1, 2, 4, 5, 7, 8]
-    assert log == (["kernel"] * 3 + ["wake", "a", "b"] + ["kernel"] * 3 + ["wake", "a", "b"]
+    assert [r["kernel_s"] for r in rounds] == [1, 2, 3, 5, 6, 8, 9]
+    assert log == (["kernel"] * 4 + ["wake", "a", "b"] + ["kernel"] * 3 + ["wake", "a", "b"]
                    + ["kernel"] * 3 + ["wake", "a", "b"])
     assert {name: len(times) for name, times in peer_s.items()} == {"a": 3, "b": 3}
     rounds, peer_s = bench.timed_in_cycles(kernel_turn, {}, None, repeats=4, cycles=1)
-    assert len(rounds) == 4 and peer_s == {}
+    assert [r["kernel_s"] for r in rounds] == [11, 12, 13, 14] and peer_s == {}
 
 
 def test_rows_with_peers_take_the_ratio_of_the_medians(tmp_path):
