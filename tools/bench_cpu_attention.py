@@ -26,11 +26,13 @@ call is therefore followed by a streaming read, with the kernel's threads, of a 
 bytes it reads (the KV arrays as stored, in the same rotation over the copies); "of paired roofline"
 is the median over those rounds of max(that read's time, the compute bound) / the call's time.
 
-Peers in the same minutes: the kernel's rounds and the torch peers take turns in --peer-repeats
-cycles (a block of kernel rounds, then one call of each peer), so a speed ratio is not a fast minute
-of the one against a slow minute of the other (MHA 32K once read 1.7x when the peers ran after all
-the kernel's rounds). Each block starts after a pause and an untimed call (SETTLE_S: torch's threads
-poll for milliseconds after a call and slow whatever runs next).
+Peers in the same minutes: after the kernel's rounds, kernel calls and the torch peers take turns in
+--peer-repeats cycles (three kernel calls, then one call of each peer), and each speed ratio is the
+median over the cycles of the peer's time over the kernel's median in the same cycle, so a ratio is
+not a fast minute of the one against a slow minute of the other (MHA 32K once read 1.7x when the
+peers were timed alone after the kernel's rounds). Each block starts after a pause and an untimed
+call (SETTLE_S: torch's threads poll for milliseconds after a call and slow whatever runs next).
+The roofline fractions come from the rounds before, where no torch call is near.
 
 FLOPs = 2 * num_q_heads * seq_len * (head_dim_qk + head_dim_v)  (QK^T and PV multiply-adds)
 KV bytes = num_kv_heads * seq_len * (head_dim_qk + head_dim_v) * 2, but MLA reads its latent once:
@@ -154,9 +156,11 @@ def kv_copies(shape: Shape, k, v, num_copies: int, dtype=torch.bfloat16):
 # After a torch call its OpenMP threads poll for work for a few milliseconds (libgomp's active wait)
 # and take the vCPUs from whatever runs next. Measured on a 2-vCPU Zen 4, Mixtral 8K: the kernel's
 # calls right after two bmm+softmax calls took 1.38 ms against 1.28 with no torch call near; after a
-# 5-100 ms pause 1.24-1.30, but the first call after any pause 1.44-1.46 (its pool wakes up). So the
-# peers and the kernel take turns in blocks, each block after a pause and an untimed wake-up call.
+# 5-100 ms pause 1.24-1.30, but the first call after any pause 1.44-1.46 (its pool wakes up). So in
+# the peer cycles each block starts after a pause and an untimed wake-up call.
 SETTLE_S = 0.02
+# Kernel calls in each peer cycle (their median is the cycle's kernel time).
+CYCLE_KERNEL_CALLS = 3
 
 
 def peer_calls(shape, q, k, v, scale, num_copies) -> dict:
@@ -180,27 +184,24 @@ def wake_torch(q, k, v, scale):
     bmm_softmax(q, k[:, :64].contiguous(), v[:, :64].contiguous(), scale)
 
 
-def timed_in_cycles(kernel_turn, peers: dict, wake_peers, repeats: int, cycles: int):
-    """Kernel rounds and peer calls in `cycles` alternating blocks, so both meet the same minutes of a
-    host whose read rate drifts -> (the kernel's rounds, {peer: [seconds per cycle]}). Each cycle: a
-    pause, an untimed kernel turn (the pool wakes; the first cycle follows the peers' untimed first
-    calls), its share of the `repeats` kernel turns; then (with peers) a pause, wake_peers(), one
-    timed call of each peer."""
-    rounds, peer_s = [], {name: [] for name in peers}
-    for cycle in range(cycles):
-        share = -(-(repeats - len(rounds)) // (cycles - cycle))
+def peer_cycles(kernel_turn, peers: dict, wake_peers, cycles: int) -> list:
+    """Kernel calls and peer calls taking turns, so each ratio compares the same minutes of a host whose
+    read rate drifts -> one dict a cycle: {"kernel_s": the median of its CYCLE_KERNEL_CALLS kernel
+    turns, "<peer>_s": each peer's one call}. A cycle: a pause, an untimed kernel turn (the pool wakes),
+    the kernel turns; a pause, wake_peers(), one call of each peer."""
+    results = []
+    for _ in range(cycles):
         time.sleep(SETTLE_S)
         kernel_turn()
-        rounds.extend({**kernel_turn(), "cycle": cycle} for _ in range(share))
-        if not peers:
-            continue
+        cycle = {"kernel_s": statistics.median(kernel_turn()["kernel_s"] for _ in range(CYCLE_KERNEL_CALLS))}
         time.sleep(SETTLE_S)
         wake_peers()
         for name, call in peers.items():
             start = time.perf_counter()
             call()
-            peer_s[name].append(time.perf_counter() - start)
-    return rounds, peer_s
+            cycle[f"{name}_s"] = time.perf_counter() - start
+        results.append(cycle)
+    return results
 
 
 def bench_row(shape, seq_len, roofline, args):
@@ -213,15 +214,22 @@ def bench_row(shape, seq_len, roofline, args):
     kernel_turn = paired_turns(shape, q, sources, scale)
     for _ in range(max(args.warmup, num_copies)):
         kernel_turn()
-    peers = {} if args.no_peers else peer_calls(shape, q, k, v, scale, num_copies)
-    for call in peers.values():  # one untimed call each: first-call allocations
-        call()
-    rounds, peer_s = timed_in_cycles(kernel_turn, peers, lambda: wake_torch(q, k, v, scale), args.repeats,
-                                     1 if args.no_peers else args.peer_repeats)
-    del sources, peers
+    # The roofline fraction from rounds with no torch call near. Peers that allocate and free GBs a
+    # call (SDPA over MLA's 16 heads on one latent) disturbed the calls and reads between them on a
+    # 2-vCPU Zen 4 guest (virtio-balloon free page reporting on): with rounds and peers in turns, MLA
+    # 32K rounds took 3.9-8.9 ms and the read of the same bytes 1.2-13 ms, against 3.4 ms alone.
+    rounds = [kernel_turn() for _ in range(args.repeats)]
+    cycles = []
+    if not args.no_peers:
+        peers = peer_calls(shape, q, k, v, scale, num_copies)
+        for call in peers.values():  # one untimed call each: first-call allocations
+            call()
+        cycles = peer_cycles(kernel_turn, peers, lambda: wake_torch(q, k, v, scale), args.peer_repeats)
+        del peers
+    del sources
     nbytes, nflops = kv_bytes(shape, seq_len), flops(shape, seq_len)
     median_kernel_s = statistics.median(r["kernel_s"] for r in rounds)
-    peer_medians = {name: statistics.median(times) for name, times in peer_s.items()}
+    peer_names = [key[:-2] for key in (cycles[0] if cycles else {}) if key != "kernel_s"]
     row = {
         "shape": shape.name,
         "seq_len": seq_len,
@@ -232,10 +240,11 @@ def bench_row(shape, seq_len, roofline, args):
         "paired_read_gbps": nbytes / statistics.median(r["read_s"] for r in rounds) / 1e9,
         "block_read_gbps": nbytes / statistics.median(r["block_read_s"] for r in rounds) / 1e9,
         "rounds": rounds,
-        "peer_cycles": [{f"{name}_s": times[c] for name, times in peer_s.items()}
-                        for c in range(len(next(iter(peer_s.values()), [])))],
-        **{f"{name}_ms": t * 1e3 for name, t in peer_medians.items()},
-        **{f"speedup_vs_{name}": t / median_kernel_s for name, t in peer_medians.items()},
+        "peer_cycles": cycles,
+        **{f"{name}_ms": statistics.median(c[f"{name}_s"] for c in cycles) * 1e3 for name in peer_names},
+        # each cycle's peer time over the kernel's in the same cycle, the median over the cycles
+        **{f"speedup_vs_{name}": statistics.median(c[f"{name}_s"] / c["kernel_s"] for c in cycles)
+           for name in peer_names},
     }
     rescale_to_roofline(row, shape, roofline)
     return row
@@ -387,7 +396,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--warmup", type=int, default=2, help="untimed kernel calls before timing")
     parser.add_argument("--repeats", type=int, default=9, help="timed kernel calls (median reported)")
     parser.add_argument("--peer-repeats", type=int, default=3,
-                        help="timed calls of each torch peer, one in each of as many cycles of kernel rounds")
+                        help="cycles of kernel calls and one timed call of each torch peer")
     parser.add_argument("--no-peers", action="store_true", help="skip the torch peers")
     parser.add_argument("--run-blocks", type=int, default=16,
                         help="consecutive physical blocks per run (16: one window flush; 1: every block shuffled)")

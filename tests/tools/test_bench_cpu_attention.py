@@ -88,36 +88,34 @@ def test_the_bf16_peers_share_one_rotation_over_their_copies(monkeypatch):
 def test_the_peers_and_the_kernel_take_turns_in_cycles(monkeypatch):
     monkeypatch.setattr(bench, "SETTLE_S", 0.0)
     log = []
-    counter = iter(range(1000))
+    seconds = iter([9, 1, 3, 2, 0, 5, 4, 6, 8])  # the kernel turns' seconds, untimed turns first
 
     def kernel_turn():
         log.append("kernel")
-        return {"kernel_s": next(counter)}
+        return {"kernel_s": next(seconds)}
 
     peers = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
-    rounds, peer_s = bench.timed_in_cycles(kernel_turn, peers, lambda: log.append("wake"), repeats=7, cycles=3)
-    # 7 rounds over 3 cycles: 3, 2, 2; every cycle starts with an untimed kernel turn, every peer
-    # block with the wake-up call
-    assert [r["cycle"] for r in rounds] == [0, 0, 0, 1, 1, 2, 2]
-    assert [r["kernel_s"] for r in rounds] == [1, 2, 3, 5, 6, 8, 9]
-    assert log == (["kernel"] * 4 + ["wake", "a", "b"] + ["kernel"] * 3 + ["wake", "a", "b"]
-                   + ["kernel"] * 3 + ["wake", "a", "b"])
-    assert {name: len(times) for name, times in peer_s.items()} == {"a": 3, "b": 3}
-    rounds, peer_s = bench.timed_in_cycles(kernel_turn, {}, None, repeats=4, cycles=1)
-    assert [r["kernel_s"] for r in rounds] == [11, 12, 13, 14] and peer_s == {}
+    cycles = bench.peer_cycles(kernel_turn, peers, lambda: log.append("wake"), cycles=2)
+    # each cycle: an untimed kernel turn, CYCLE_KERNEL_CALLS timed ones (their median), the wake-up
+    # call, one call of each peer
+    calls = bench.CYCLE_KERNEL_CALLS
+    assert calls == 3
+    assert log == (["kernel"] * 4 + ["wake", "a", "b"]) * 2
+    assert [c["kernel_s"] for c in cycles] == [2, 5]
+    assert all(set(c) == {"kernel_s", "a_s", "b_s"} and c["a_s"] >= 0 for c in cycles)
 
 
-def test_rows_with_peers_take_the_ratio_of_the_medians(tmp_path):
+def test_rows_with_peers_take_the_ratio_within_each_cycle(tmp_path):
     out = tmp_path / "cpu_attention.json"
     bench.main(["--seq-lens", "64", "--shapes", "mixtral", "deepseek-v2-lite-mla", "--repeats", "4",
                 "--peer-repeats", "2", "--warmup", "0", "--read-bytes", str(1 << 20), "--out", str(out)])
     for row in json.loads(out.read_text())["rows"]:
-        assert {r["cycle"] for r in row["rounds"]} == {0, 1} and len(row["rounds"]) == 4
-        assert len(row["peer_cycles"]) == 2
+        assert len(row["rounds"]) == 4 and len(row["peer_cycles"]) == 2
         for name in ("sdpa_bf16", "bmm_softmax_bf16", "sdpa_fp32"):
-            median_s = statistics.median(cycle[f"{name}_s"] for cycle in row["peer_cycles"])
-            assert row[f"{name}_ms"] == pytest.approx(median_s * 1e3)
-            assert row[f"speedup_vs_{name}"] == pytest.approx(median_s * 1e3 / row["kernel_ms"])
+            cycles = row["peer_cycles"]
+            assert row[f"{name}_ms"] == pytest.approx(statistics.median(c[f"{name}_s"] for c in cycles) * 1e3)
+            assert row[f"speedup_vs_{name}"] == pytest.approx(
+                statistics.median(c[f"{name}_s"] / c["kernel_s"] for c in cycles))
 
 
 @pytest.mark.parametrize("shape", bench.SHAPES, ids=lambda s: s.name)
