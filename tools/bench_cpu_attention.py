@@ -34,9 +34,9 @@ us for the same Python with no probe between the calls (2-vCPU Zen 4). "kernel m
 call; GB/s and GFLOP/s are the kernel's own; the peer ratios take the call's wall time, as the
 peers' are.
 
-Peers in the same minutes: after the kernel's rounds, kernel calls and the torch peers take turns in
---peer-repeats cycles (three kernel calls, then one call of each peer), and each speed ratio is the
-median over the cycles of the peer's time over the kernel's median in the same cycle, so a ratio is
+Peers in the same minutes: after the kernel's rounds, each torch peer in turn takes --peer-repeats
+cycles with the kernel (three kernel calls, then one call of the peer), and its speed ratio is the
+median over its cycles of the peer's time over the kernel's median in the same cycle, so a ratio is
 not a fast minute of the one against a slow minute of the other (MHA 32K once read 1.7x when the
 peers were timed alone after the kernel's rounds). Each block starts after a pause and an untimed
 call (SETTLE_S: torch's threads poll for milliseconds after a call and slow whatever runs next).
@@ -178,8 +178,7 @@ def peer_calls(shape, q, k, v, scale, num_copies) -> dict:
     bf16_turn = itertools.cycle(kv_copies(shape, k, v, num_copies))
     fp32_turn = itertools.cycle(kv_copies(shape, k, v, num_copies, torch.float32))
     q32 = q.float()
-    # bmm+softmax first, after wake_torch's call of the same ops (measured: 1.2-2x slower right after
-    # an SDPA call than after a pause, while SDPA right after bmm+softmax kept its pace)
+    # bmm+softmax, the best peer on every row so far, first: before any SDPA call has churned memory
     return {
         "bmm_softmax_bf16": lambda: bmm_softmax(q, *next(bf16_turn), scale),
         "sdpa_bf16": lambda: sdpa(q, *next(bf16_turn), scale),
@@ -192,23 +191,28 @@ def wake_torch(q, k, v, scale):
     bmm_softmax(q, k[:, :64].contiguous(), v[:, :64].contiguous(), scale)
 
 
-def peer_cycles(kernel_turn, peers: dict, wake_peers, cycles: int) -> list:
-    """Kernel calls and peer calls taking turns, so each ratio compares the same minutes of a host whose
-    read rate drifts -> one dict a cycle: {"kernel_s": the median of its CYCLE_KERNEL_CALLS kernel
-    turns, "<peer>_s": each peer's one call}. A cycle: a pause, an untimed kernel turn (the pool wakes),
-    the kernel turns; a pause, wake_peers(), one call of each peer."""
-    results = []
-    for _ in range(cycles):
-        time.sleep(SETTLE_S)
-        kernel_turn()
-        cycle = {"kernel_s": statistics.median(kernel_turn()["kernel_s"] for _ in range(CYCLE_KERNEL_CALLS))}
-        time.sleep(SETTLE_S)
-        wake_peers()
-        for name, call in peers.items():
+def peer_cycles(kernel_turn, peers: dict, wake_peers, cycles: int) -> dict:
+    """Each peer in turns with kernel calls, so each ratio compares the same minutes of a host whose
+    read rate drifts -> {peer: one dict a cycle, {"kernel_s": the median of CYCLE_KERNEL_CALLS kernel
+    turns, "peer_s": the peer's call}}. Peer by peer, in order: an untimed call of the peer (its
+    first-call allocations), then `cycles` of: a pause, an untimed kernel turn (the pool wakes), the
+    kernel turns; a pause, wake_peers(), one call of the peer. So the kernel calls beside a peer
+    follow only that peer's calls: SDPA over MLA's 16 heads on one latent allocates and frees GBs a
+    call, and the kernel calls and reads after it ran 1.1-2.7x slower for up to seconds (2-vCPU Zen 4
+    guest, virtio-balloon free page reporting on), which would sit in the ratio to bmm+softmax too."""
+    results = {}
+    for name, call in peers.items():
+        call()
+        results[name] = []
+        for _ in range(cycles):
+            time.sleep(SETTLE_S)
+            kernel_turn()
+            kernel_s = statistics.median(kernel_turn()["kernel_s"] for _ in range(CYCLE_KERNEL_CALLS))
+            time.sleep(SETTLE_S)
+            wake_peers()
             start = time.perf_counter()
             call()
-            cycle[f"{name}_s"] = time.perf_counter() - start
-        results.append(cycle)
+            results[name].append({"kernel_s": kernel_s, "peer_s": time.perf_counter() - start})
     return results
 
 
@@ -227,18 +231,15 @@ def bench_row(shape, seq_len, roofline, args):
     # 2-vCPU Zen 4 guest (virtio-balloon free page reporting on): with rounds and peers in turns, MLA
     # 32K rounds took 3.9-8.9 ms and the read of the same bytes 1.2-13 ms, against 3.4 ms alone.
     rounds = [kernel_turn() for _ in range(args.repeats)]
-    cycles = []
+    cycles = {}
     if not args.no_peers:
         peers = peer_calls(shape, q, k, v, scale, num_copies)
-        for call in peers.values():  # one untimed call each: first-call allocations
-            call()
         cycles = peer_cycles(kernel_turn, peers, lambda: wake_torch(q, k, v, scale), args.peer_repeats)
         del peers
     del sources
     nbytes, nflops = kv_bytes(shape, seq_len), flops(shape, seq_len)
     median_kernel_s = statistics.median(r["kernel_s"] for r in rounds)
     median_own_s = statistics.median(r["kernel_own_s"] for r in rounds)
-    peer_names = [key[:-2] for key in (cycles[0] if cycles else {}) if key != "kernel_s"]
     row = {
         "shape": shape.name,
         "seq_len": seq_len,
@@ -251,10 +252,10 @@ def bench_row(shape, seq_len, roofline, args):
         "block_read_gbps": nbytes / statistics.median(r["block_read_s"] for r in rounds) / 1e9,
         "rounds": rounds,
         "peer_cycles": cycles,
-        **{f"{name}_ms": statistics.median(c[f"{name}_s"] for c in cycles) * 1e3 for name in peer_names},
+        **{f"{name}_ms": statistics.median(c["peer_s"] for c in runs) * 1e3 for name, runs in cycles.items()},
         # each cycle's peer time over the kernel's in the same cycle, the median over the cycles
-        **{f"speedup_vs_{name}": statistics.median(c[f"{name}_s"] / c["kernel_s"] for c in cycles)
-           for name in peer_names},
+        **{f"speedup_vs_{name}": statistics.median(c["peer_s"] / c["kernel_s"] for c in runs)
+           for name, runs in cycles.items()},
     }
     rescale_to_roofline(row, shape, roofline)
     return row
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--warmup", type=int, default=2, help="untimed kernel calls before timing")
     parser.add_argument("--repeats", type=int, default=9, help="timed kernel calls (median reported)")
     parser.add_argument("--peer-repeats", type=int, default=3,
-                        help="cycles of kernel calls and one timed call of each torch peer")
+                        help="cycles of kernel calls and one timed call of a torch peer, for each peer")
     parser.add_argument("--no-peers", action="store_true", help="skip the torch peers")
     parser.add_argument("--run-blocks", type=int, default=16,
                         help="consecutive physical blocks per run (16: one window flush; 1: every block shuffled)")
