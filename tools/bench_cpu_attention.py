@@ -198,8 +198,9 @@ def peer_cycles(kernel_turn, peers: dict, wake_peers, cycles: int) -> dict:
     first-call allocations), then `cycles` of: a pause, an untimed kernel turn (the pool wakes), the
     kernel turns; a pause, wake_peers(), one call of the peer. So the kernel calls beside a peer
     follow only that peer's calls: SDPA over MLA's 16 heads on one latent allocates and frees GBs a
-    call, and the kernel calls and reads after it ran 1.1-2.7x slower for up to seconds (2-vCPU Zen 4
-    guest, virtio-balloon free page reporting on), which would sit in the ratio to bmm+softmax too."""
+    call, and the kernel calls and reads after it ran 1.1-2.7x slower for hundreds of milliseconds
+    (2-vCPU Zen 4 guest, virtio-balloon free page reporting on), which would sit in the ratio to
+    bmm+softmax too."""
     results = {}
     for name, call in peers.items():
         call()
