@@ -24,7 +24,7 @@ Paired roofline: a shared host's read rate drifts within a run (22-43 GB/s seen 
 2-vCPU Zen 4), so a probe before and after the rows can flatter or wrong a row. Each timed kernel
 call is therefore followed by a streaming read, with the kernel's threads, of a copy of the very
 bytes it reads (the KV arrays as stored, in the same rotation over the copies); "of paired roofline"
-is the median over those rounds of max(that read's time, the compute bound) / the call's time.
+is the median over those rounds of max(that read's time, the compute bound) / the kernel's time.
 
 Both sides of a fraction are timed alike: the read probes time themselves inside the extension, from
 taking the pool to its return, and so does the kernel (`cpu_paged_attention_timed`'s seconds), so a
