@@ -169,6 +169,8 @@ def kv_copies(shape: Shape, k, v, num_copies: int, dtype=torch.bfloat16):
 SETTLE_S = 0.02
 # Kernel calls in each peer cycle (their median is the cycle's kernel time).
 CYCLE_KERNEL_CALLS = 3
+# A pause after a row's arrays are made, before its warm-up calls.
+ALLOCATION_SETTLE_S = 0.5
 
 
 def peer_calls(shape, q, k, v, scale, num_copies) -> dict:
@@ -221,8 +223,13 @@ def bench_row(shape, seq_len, roofline, args):
     q, k, v = make_inputs(shape, seq_len)
     scale = shape.head_dim_qk**-0.5
     num_copies = copies_for(shape, seq_len, args.cold_bytes)
+    # Every array the row needs is made before anything is timed: right after the peers' copies were
+    # made (3 GiB), the kernel's calls ran 3-5x slower for a while (Qwen3-MoE 8K: 2.2 ms, then 0.5-0.6
+    # from 0.2 s on; 2-vCPU Zen 4 guest), and the first peer cycles had met that.
+    peers = {} if args.no_peers else peer_calls(shape, q, k, v, scale, num_copies)
     sources = [cache_source(shape, k, v, torch.Generator().manual_seed(seq_len * 1000 + i), args.run_blocks)
                for i in range(num_copies)]
+    time.sleep(ALLOCATION_SETTLE_S)
     check_against_reference(q, sources[0], k, v, scale)
     kernel_turn = paired_turns(shape, q, sources, scale)
     for _ in range(max(args.warmup, num_copies)):
@@ -233,11 +240,9 @@ def bench_row(shape, seq_len, roofline, args):
     # 32K rounds took 3.9-8.9 ms and the read of the same bytes 1.2-13 ms, against 3.4 ms alone.
     rounds = [kernel_turn() for _ in range(args.repeats)]
     cycles = {}
-    if not args.no_peers:
-        peers = peer_calls(shape, q, k, v, scale, num_copies)
+    if peers:
         cycles = peer_cycles(kernel_turn, peers, lambda: wake_torch(q, k, v, scale), args.peer_repeats)
-        del peers
-    del sources
+    del sources, peers
     nbytes, nflops = kv_bytes(shape, seq_len), flops(shape, seq_len)
     median_kernel_s = statistics.median(r["kernel_s"] for r in rounds)
     median_own_s = statistics.median(r["kernel_own_s"] for r in rounds)
