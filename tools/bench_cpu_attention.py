@@ -42,6 +42,17 @@ peers were timed alone after the kernel's rounds). Each block starts after a pau
 call (SETTLE_S: torch's threads poll for milliseconds after a call and slow whatever runs next).
 The roofline fractions come from the rounds before, where no torch call is near.
 
+In core: each round also calls the kernel three times back to back on one copy of the longest
+context whose KV fills at most half the last-level cache (sysfs; in steps of 64 tokens, at most 16K),
+so the last two find it there, pacing off; "in-core ms" is the median over the rounds of the best of
+those two (own seconds per token) times the row's tokens: what the kernel's loops take with DRAM out
+of the way, in the same seconds as the call and the reads (a shared host's core speed moved 30% within
+minutes: Qwen3-MoE 4K in L3 at 203 and 264 us). Where it is above the read of the same bytes the row
+is bound in the core, by the work around and inside the loops, not by memory (the roofline's compute
+bound is the instructions' peak, which the loops do not reach). "of paired ceiling" is the median of
+the rounds' max(read, in-core, compute bound) / kernel: not a roofline, but how well the kernel's
+reads overlap its own compute.
+
 FLOPs = 2 * num_q_heads * seq_len * (head_dim_qk + head_dim_v)  (QK^T and PV multiply-adds)
 KV bytes = num_kv_heads * seq_len * (head_dim_qk + head_dim_v) * 2, but MLA reads its latent once:
            seq_len * 576 * 2.
@@ -151,6 +162,67 @@ def copies_for(shape: Shape, seq_len: int, cold_bytes: int) -> int:
     return max(1, -(-cold_bytes // kv_bytes(shape, seq_len)))
 
 
+def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
+    """The size of this CPU's last-level cache (the highest level sysfs lists for cpu0), 0 when unknown."""
+    best_level, best_bytes = 0, 0
+    try:
+        entries = sorted(os.listdir(sysfs))
+    except OSError:
+        return 0
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    for entry in (e for e in entries if e.startswith("index")):
+        try:
+            with open(os.path.join(sysfs, entry, "level")) as f:
+                level = int(f.read())
+            with open(os.path.join(sysfs, entry, "size")) as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        value = int(size[:-1]) * units[size[-1]] if size and size[-1] in units else int(size or 0)
+        if level > best_level or (level == best_level and value > best_bytes):
+            best_level, best_bytes = level, value
+    return best_bytes
+
+
+# The in-core probe: the longest context (a multiple of this many tokens, at most the cap) whose KV
+# fills at most half the last-level cache, called this many times back to back in each round.
+IN_CORE_TOKEN_STEP = 64
+IN_CORE_MAX_TOKENS = 16384
+IN_CORE_CALLS = 3
+
+
+def in_core_tokens(shape: Shape, cache_bytes: int) -> int | None:
+    """The context whose KV fills at most half of a last-level cache of cache_bytes, in whole steps of
+    IN_CORE_TOKEN_STEP tokens up to IN_CORE_MAX_TOKENS; None when not even one step fits (or the size
+    is unknown)."""
+    per_step = kv_bytes(shape, IN_CORE_TOKEN_STEP)
+    steps = min(cache_bytes // 2 // per_step, IN_CORE_MAX_TOKENS // IN_CORE_TOKEN_STEP)
+    return steps * IN_CORE_TOKEN_STEP if steps >= 1 else None
+
+
+def in_core_probe(shape: Shape, tokens: int, run_blocks: int):
+    """A callable -> the kernel's own seconds per token on one copy of a `tokens`-token KV that its calls
+    keep in the last-level cache: IN_CORE_CALLS calls back to back (the first brings the KV in), the
+    best of the rest. Pacing is off for them: it holds the loops back to the memory's rate, which in
+    cache is only a loss, and these calls must not enter the pace search of the row's calls (same shape,
+    same threads) with their cache-speed costs."""
+    q, k, v = make_inputs(shape, tokens)
+    scale = shape.head_dim_qk**-0.5
+    source = cache_source(shape, k, v, torch.Generator().manual_seed(tokens), run_blocks)
+    check_against_reference(q, source, k, v, scale)
+
+    def probe() -> float:
+        pacing = _cpu.pacing()
+        _cpu.set_pacing(False)
+        try:
+            own = [ops.cpu_paged_attention_timed(q[None], source, scale)[2] for _ in range(IN_CORE_CALLS)]
+        finally:
+            _cpu.set_pacing(pacing)
+        return min(own[1:]) / tokens
+
+    return probe
+
+
 def kv_copies(shape: Shape, k, v, num_copies: int, dtype=torch.bfloat16):
     """num_copies (k, v) pairs in distinct memory, as `dtype`; MLA's v stays a prefix view of its k."""
     copies = []
@@ -219,7 +291,7 @@ def peer_cycles(kernel_turn, peers: dict, wake_peers, cycles: int) -> dict:
     return results
 
 
-def bench_row(shape, seq_len, roofline, args):
+def bench_row(shape, seq_len, roofline, args, llc_bytes: int = 0):
     q, k, v = make_inputs(shape, seq_len)
     scale = shape.head_dim_qk**-0.5
     num_copies = copies_for(shape, seq_len, args.cold_bytes)
@@ -229,9 +301,11 @@ def bench_row(shape, seq_len, roofline, args):
     peers = {} if args.no_peers else peer_calls(shape, q, k, v, scale, num_copies)
     sources = [cache_source(shape, k, v, torch.Generator().manual_seed(seq_len * 1000 + i), args.run_blocks)
                for i in range(num_copies)]
+    in_core_at = in_core_tokens(shape, llc_bytes)
+    in_core = None if in_core_at is None else in_core_probe(shape, in_core_at, args.run_blocks)
     time.sleep(ALLOCATION_SETTLE_S)
     check_against_reference(q, sources[0], k, v, scale)
-    kernel_turn = paired_turns(shape, q, sources, scale)
+    kernel_turn = paired_turns(shape, q, sources, scale, in_core)
     for _ in range(max(args.warmup, num_copies)):
         kernel_turn()
     # The roofline fraction from rounds with no torch call near. Peers that allocate and free GBs a
@@ -256,6 +330,8 @@ def bench_row(shape, seq_len, roofline, args):
         "gflops": nflops / median_own_s / 1e9,
         "paired_read_gbps": nbytes / statistics.median(r["read_s"] for r in rounds) / 1e9,
         "block_read_gbps": nbytes / statistics.median(r["block_read_s"] for r in rounds) / 1e9,
+        "in_core_tokens": in_core_at,
+        "in_core_ms": None if in_core is None else statistics.median(r["in_core_s"] for r in rounds) * 1e3,
         "rounds": rounds,
         "peer_cycles": cycles,
         **{f"{name}_ms": statistics.median(c["peer_s"] for c in runs) * 1e3 for name, runs in cycles.items()},
@@ -295,18 +371,21 @@ def block_order_ranges(shape: Shape, source: ops.KVSource, block_size: int = BLO
     return storage, np.array(rows, dtype=np.int64)
 
 
-def paired_turns(shape: Shape, q, sources: list, scale: float):
-    """A callable running one round -> {kernel_s, read_s, block_read_s}. Each round runs the kernel
-    over one copy of the KV, then stream-reads the next copy of the rotation whole with the kernel's
-    threads (`_cpu.stream_read_seconds`): the memory roofline of the same bytes, measured next to the
-    call it bounds, so a drift of the host's bandwidth between the two cannot pass for the kernel's
-    (this host's read rate moved 22-43 GB/s within one run); then reads the copy after that block by
-    block in the kernel's order (`_cpu.ranges_read_seconds`): what the block table's layout (runs of
-    blocks, K and V apart) costs the same bytes before any compute. Kernel and probes share one
-    rotation over the copies (the same copy where there is only one), so every read finds its bytes
-    as cold as the copies keep them."""
+def paired_turns(shape: Shape, q, sources: list, scale: float, in_core=None):
+    """A callable running one round -> {kernel_s, kernel_own_s, read_s, block_read_s[, in_core_s]}. Each
+    round runs the kernel over one copy of the KV, then stream-reads the next copy of the rotation
+    whole with the kernel's threads (`_cpu.stream_read_seconds`): the memory roofline of the same
+    bytes, measured next to the call it bounds, so a drift of the host's bandwidth between the two
+    cannot pass for the kernel's (this host's read rate moved 22-43 GB/s within one run); then reads
+    the copy after that block by block in the kernel's order (`_cpu.ranges_read_seconds`): what the
+    block table's layout (runs of blocks, K and V apart) costs the same bytes before any compute.
+    Kernel and probes share one rotation over the copies (the same copy where there is only one), so
+    every read finds its bytes as cold as the copies keep them. With `in_core` (in_core_probe's
+    callable), last the kernel's seconds per token with its KV in cache, times this row's tokens:
+    what its loops take without DRAM."""
     buffers = [probe_buffers(shape, source) for source in sources]
     ranges = [block_order_ranges(shape, source) for source in sources]
+    tokens = int(sources[0].seq_lens[0])
     reads = itertools.count()
 
     def turn():
@@ -316,7 +395,10 @@ def paired_turns(shape: Shape, q, sources: list, scale: float):
         kernel = time.perf_counter() - start
         read = _cpu.stream_read_seconds(buffers[next(reads) % len(sources)])
         block_read = _cpu.ranges_read_seconds(*ranges[next(reads) % len(sources)])
-        return {"kernel_s": kernel, "kernel_own_s": own, "read_s": read, "block_read_s": block_read}
+        round_ = {"kernel_s": kernel, "kernel_own_s": own, "read_s": read, "block_read_s": block_read}
+        if in_core is not None:
+            round_["in_core_s"] = in_core() * tokens
+        return round_
 
     return turn
 
@@ -356,6 +438,10 @@ def rescale_to_roofline(row: dict, shape: Shape, roofline: dict) -> None:
     # and with each round's read of the same bytes in the kernel's block order
     row["fraction_of_block_order_roofline"] = statistics.median(
         max(r["block_read_s"], compute_s) / r["kernel_own_s"] for r in row["rounds"])
+    # not a roofline: with each round's in-core time too, what the kernel's own loops and the memory
+    # allow together; how far the kernel is from it says how well its reads overlap its compute
+    row["fraction_of_paired_ceiling"] = None if row.get("in_core_ms") is None else statistics.median(
+        max(r["read_s"], r["in_core_s"], compute_s) / r["kernel_own_s"] for r in row["rounds"])
 
 
 def measure_roofline(read_bytes: int) -> dict:
@@ -377,6 +463,10 @@ def _gflops(value) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def _two_places(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def markdown_table(result: dict) -> str:
     m = result["machine"]
     lines = [
@@ -384,23 +474,25 @@ def markdown_table(result: dict) -> str:
         f"{m['threads']} threads; read {m['read_gbps']:.1f} GB/s; GFLOP/s: FMA {m['fma_gflops']:.0f}, "
         f"bf16 dot {_gflops(m['dot_gflops'])}, AMX tiles {_gflops(m['tile_gflops'])}; "
         f"blocks in runs of {m['run_blocks']}; every call reads KV not read for {m['cold_bytes'] / 2**20:.0f} MiB "
-        f"(copies rotated)",
+        f"(copies rotated); in-core ms: the kernel's own time per token beside each call with one copy of the "
+        f"KV in the {m.get('llc_bytes', 0) / 2**20:.0f} MiB last-level cache, times L",
         "",
-        "| shape | L | QK/PV | kernel ms, own / call | KV GB/s | GFLOP/s | bound | roofline ms | of roofline "
-        "| paired read GB/s | of paired roofline | block-order read GB/s | of block-order roofline "
-        "| vs SDPA bf16 | vs SDPA fp32 | vs bmm+softmax |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| shape | L | QK/PV | kernel ms, own / call | in-core ms | KV GB/s | GFLOP/s | bound | roofline ms "
+        "| of roofline | paired read GB/s | of paired roofline | block-order read GB/s | of block-order roofline "
+        "| of paired ceiling | vs SDPA bf16 | vs SDPA fp32 | vs bmm+softmax |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         ratios = [f"{r[k]:.1f}x" if k in r else "-" for k in
                   ("speedup_vs_sdpa_bf16", "speedup_vs_sdpa_fp32", "speedup_vs_bmm_softmax_bf16")]
         lines.append(
             f"| {r['shape']} | {r['seq_len'] // 1024}K | {r['instructions']} "
-            f"| {r['kernel_own_ms']:.2f} / {r['kernel_ms']:.2f} "
+            f"| {r['kernel_own_ms']:.2f} / {r['kernel_ms']:.2f} | {_two_places(r.get('in_core_ms'))} "
             f"| {r['kv_gbps']:.1f} | {r['gflops']:.0f} "
             f"| {r['bound']} | {r['roofline_ms']:.2f} | {r['fraction_of_roofline']:.2f} "
             f"| {r['paired_read_gbps']:.1f} | {r['fraction_of_paired_roofline']:.2f} "
-            f"| {r['block_read_gbps']:.1f} | {r['fraction_of_block_order_roofline']:.2f} | " + " | ".join(ratios) + " |"
+            f"| {r['block_read_gbps']:.1f} | {r['fraction_of_block_order_roofline']:.2f} "
+            f"| {_two_places(r.get('fraction_of_paired_ceiling'))} | " + " | ".join(ratios) + " |"
         )
     return "\n".join(lines)
 
@@ -447,9 +539,10 @@ def main(argv: list[str] | None = None):
              roofline["fma_gflops"], _gflops(roofline["dot_gflops"]), _gflops(roofline["tile_gflops"]))
     rows = []
     shapes_by_name = {s.name: s for s in SHAPES}
+    llc_bytes = last_level_cache_bytes()
     for shape in (s for s in SHAPES if s.name in args.shapes):
         for seq_len in args.seq_lens:
-            row = bench_row(shape, seq_len, roofline, args)
+            row = bench_row(shape, seq_len, roofline, args, llc_bytes)
             log.info("%s L=%d: %.2f ms, %.2f of roofline, %.2f of the paired roofline", shape.name, seq_len,
                      row["kernel_own_ms"], row["fraction_of_roofline"], row["fraction_of_paired_roofline"])
             rows.append(row)
@@ -460,7 +553,7 @@ def main(argv: list[str] | None = None):
         rescale_to_roofline(row, shapes_by_name[row["shape"]], best)
     roofline = {**best, "probes": [roofline, after]}
     result = {
-        "machine": {"cpu_model": cpu_model(), "cpu_variant": _cpu.__cpu_variant__,
+        "machine": {"cpu_model": cpu_model(), "cpu_variant": _cpu.__cpu_variant__, "llc_bytes": llc_bytes,
                     "uses_bf16_dot": _cpu.uses_bf16_dot(), "threads": _cpu.num_threads(), "run_blocks": args.run_blocks,
                     "cold_bytes": args.cold_bytes,
                     "torch_threads": torch.get_num_threads(), "processor": platform.processor(),

@@ -15,8 +15,10 @@ from writescope.tools import bench_cpu_attention as bench
 
 @pytest.fixture(autouse=True)
 def no_allocation_pause(monkeypatch):
-    """The pause after a row's arrays are made is for the host's memory, not for what is checked here."""
+    """The pause after a row's arrays are made is for the host's memory, not for what is checked here;
+    the in-core measurement runs on at most 256 tokens (a host's cache may hold 16K of MHA's)."""
     monkeypatch.setattr(bench, "ALLOCATION_SETTLE_S", 0.0)
+    monkeypatch.setattr(bench, "IN_CORE_MAX_TOKENS", 256)
 
 
 def test_rows_carry_the_roofline_the_instructions_and_the_machine(tmp_path):
@@ -53,6 +55,25 @@ def test_rows_carry_the_roofline_the_instructions_and_the_machine(tmp_path):
         assert row["fraction_of_block_order_roofline"] == pytest.approx(
             statistics.median(max(r["block_read_s"], compute_s) / r["kernel_own_s"] for r in rounds))
     assert bench.markdown_table(result).count("\n| ") == len(result["rows"]) + 1
+    # an in-core time beside every call, from a KV within half the last-level cache, and the ceiling
+    # it makes with the read of the same bytes
+    assert machine["llc_bytes"] == bench.last_level_cache_bytes()
+    for row in result["rows"]:
+        shape = next(s for s in bench.SHAPES if s.name == row["shape"])
+        tokens = row["in_core_tokens"]
+        assert tokens == bench.in_core_tokens(shape, machine["llc_bytes"])
+        if tokens is None:
+            assert row["in_core_ms"] is None and row["fraction_of_paired_ceiling"] is None
+            continue
+        assert bench.kv_bytes(shape, tokens) <= machine["llc_bytes"] // 2
+        rounds = row["rounds"]
+        assert all(r["in_core_s"] > 0 for r in rounds)
+        assert row["in_core_ms"] == pytest.approx(statistics.median(r["in_core_s"] for r in rounds) * 1e3)
+        qk, pv = row["instructions"].split("/")
+        compute_s = 2 * shape.num_q_heads * row["seq_len"] * (
+            shape.head_dim_qk / machine[f"{qk}_gflops"] + shape.head_dim_v / machine[f"{pv}_gflops"]) / 1e9
+        assert row["fraction_of_paired_ceiling"] == pytest.approx(statistics.median(
+            max(r["read_s"], r["in_core_s"], compute_s) / r["kernel_own_s"] for r in rounds))
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -66,6 +87,48 @@ def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_in_core_context_fills_at_most_half_the_last_level_cache():
+    mixtral, mha = bench.SHAPES[0], bench.SHAPES[2]
+    per_step = bench.kv_bytes(mixtral, bench.IN_CORE_TOKEN_STEP)
+    assert bench.in_core_tokens(mixtral, 2 * 3 * per_step) == 3 * bench.IN_CORE_TOKEN_STEP
+    assert bench.in_core_tokens(mixtral, 2 * 3 * per_step - 1) == 2 * bench.IN_CORE_TOKEN_STEP
+    assert bench.in_core_tokens(mixtral, 1 << 40) == bench.IN_CORE_MAX_TOKENS  # capped
+    assert bench.in_core_tokens(mha, bench.kv_bytes(mha, bench.IN_CORE_TOKEN_STEP)) is None  # half holds no step
+    assert bench.in_core_tokens(mha, 0) is None  # size unknown
+
+
+def test_the_in_core_probe_runs_unpaced_from_cache_and_leaves_pacing_as_it_was(monkeypatch):
+    mixtral = bench.SHAPES[0]
+    calls = []  # pacing during each kernel call
+    kernel = bench.ops.cpu_paged_attention_timed
+
+    def spy(q, source, scale):
+        calls.append(_cpu.pacing())
+        return kernel(q, source, scale)
+
+    probe = bench.in_core_probe(mixtral, 128, 2)
+    monkeypatch.setattr(bench.ops, "cpu_paged_attention_timed", spy)
+    before = _cpu.pacing()
+    try:
+        for pacing in (True, False):
+            _cpu.set_pacing(pacing)
+            assert probe() > 0
+            assert _cpu.pacing() is pacing
+    finally:
+        _cpu.set_pacing(before)
+    assert calls == [False] * (2 * bench.IN_CORE_CALLS)
+
+
+def test_the_last_level_cache_is_the_highest_level_sysfs_lists(tmp_path):
+    for index, level, size in (("index0", 1, "48K"), ("index2", 2, "1024K"), ("index3", 3, "32768K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "level").write_text(f"{level}\n")
+        (tmp_path / index / "size").write_text(f"{size}\n")
+    (tmp_path / "uevent").write_text("")
+    assert bench.last_level_cache_bytes(str(tmp_path)) == 32 << 20
+    assert bench.last_level_cache_bytes(str(tmp_path / "missing")) == 0
 
 
 def test_copies_keep_the_cold_bytes_between_two_reads_of_one():
