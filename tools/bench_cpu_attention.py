@@ -42,10 +42,10 @@ peers were timed alone after the kernel's rounds). Each block starts after a pau
 call (SETTLE_S: torch's threads poll for milliseconds after a call and slow whatever runs next).
 The roofline fractions come from the rounds before, where no torch call is near.
 
-In core: each round also calls the kernel three times back to back on one copy of the longest
+In core: each round also calls the kernel four times back to back on one copy of the longest
 context whose KV fills at most half the last-level cache (sysfs; in steps of 64 tokens, at most 16K),
-so the last two find it there, pacing off; "in-core ms" is the median over the rounds of the best of
-those two (own seconds per token) times the row's tokens: what the kernel's loops take with DRAM out
+so the last three find it there, pacing off; "in-core ms" is the median over the rounds of the best of
+those three (own seconds per token) times the row's tokens: what the kernel's loops take with DRAM out
 of the way, in the same seconds as the call and the reads (a shared host's core speed moved 30% within
 minutes: Qwen3-MoE 4K in L3 at 203 and 264 us). Where it is above the read of the same bytes the row
 is bound in the core, by the work around and inside the loops, not by memory (the roofline's compute
@@ -188,7 +188,7 @@ def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") ->
 # fills at most half the last-level cache, called this many times back to back in each round.
 IN_CORE_TOKEN_STEP = 64
 IN_CORE_MAX_TOKENS = 16384
-IN_CORE_CALLS = 3
+IN_CORE_CALLS = 4
 
 
 def in_core_tokens(shape: Shape, cache_bytes: int) -> int | None:
@@ -203,9 +203,10 @@ def in_core_tokens(shape: Shape, cache_bytes: int) -> int | None:
 def in_core_probe(shape: Shape, tokens: int, run_blocks: int):
     """A callable -> the kernel's own seconds per token on one copy of a `tokens`-token KV that its calls
     keep in the last-level cache: IN_CORE_CALLS calls back to back (the first brings the KV in), the
-    best of the rest. Pacing is off for them: it holds the loops back to the memory's rate, which in
-    cache is only a loss, and these calls must not enter the pace search of the row's calls (same shape,
-    same threads) with their cache-speed costs."""
+    best of the rest (after a round had flushed the cache, Qwen3-MoE 8K on a 2-vCPU Zen 4: 590 us, then
+    421, 416, 409, against 406 over and over). Pacing is off for them: it holds the loops back to the
+    memory's rate, which in cache is only a loss, and these calls must not enter the pace search of the
+    row's calls (same shape, same threads) with their cache-speed costs."""
     q, k, v = make_inputs(shape, tokens)
     scale = shape.head_dim_qk**-0.5
     source = cache_source(shape, k, v, torch.Generator().manual_seed(tokens), run_blocks)
