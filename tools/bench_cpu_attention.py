@@ -43,8 +43,8 @@ call (SETTLE_S: torch's threads poll for milliseconds after a call and slow what
 The roofline fractions come from the rounds before, where no torch call is near.
 
 In core: each round also calls the kernel four times back to back on one copy of the longest
-context whose KV fills at most half the last-level cache (sysfs; in steps of 64 tokens, at most 16K),
-so the last three find it there, pacing off; "in-core ms" is the median over the rounds of the best of
+context whose KV fills at most half the last-level cache (as /sys lists it; in steps of 64 tokens, at
+most 16K), so the last three find it there, pacing off; "in-core ms" is the median over the rounds of the best of
 those three (own seconds per token) times the row's tokens: what the kernel's loops take with DRAM out
 of the way, in the same seconds as the call and the reads (a shared host's core speed moved 30% within
 minutes: Qwen3-MoE 4K in L3 at 203 and 264 us). Where it is above the read of the same bytes the row
@@ -75,7 +75,7 @@ import numpy as np
 import torch
 
 from writescope import _cpu, ops, reference
-from writescope.calibration import cpu_model
+from writescope.calibration import cpu_model, last_level_cache_bytes
 from writescope.kv_format import to_paired
 from writescope.tools.results import write_json
 
@@ -160,28 +160,6 @@ def bmm_softmax(q, k, v, scale):
 def copies_for(shape: Shape, seq_len: int, cold_bytes: int) -> int:
     """How many copies of a row's KV keep at least cold_bytes between two reads of the same bytes."""
     return max(1, -(-cold_bytes // kv_bytes(shape, seq_len)))
-
-
-def last_level_cache_bytes(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> int:
-    """The size of this CPU's last-level cache (the highest level sysfs lists for cpu0), 0 when unknown."""
-    best_level, best_bytes = 0, 0
-    try:
-        entries = sorted(os.listdir(sysfs))
-    except OSError:
-        return 0
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    for entry in (e for e in entries if e.startswith("index")):
-        try:
-            with open(os.path.join(sysfs, entry, "level")) as f:
-                level = int(f.read())
-            with open(os.path.join(sysfs, entry, "size")) as f:
-                size = f.read().strip()
-        except (OSError, ValueError):
-            continue
-        value = int(size[:-1]) * units[size[-1]] if size and size[-1] in units else int(size or 0)
-        if level > best_level or (level == best_level and value > best_bytes):
-            best_level, best_bytes = level, value
-    return best_bytes
 
 
 # The in-core probe: the longest context (a multiple of this many tokens, at most the cap) whose KV
@@ -292,7 +270,7 @@ def peer_cycles(kernel_turn, peers: dict, wake_peers, cycles: int) -> dict:
     return results
 
 
-def bench_row(shape, seq_len, roofline, args, llc_bytes: int = 0):
+def bench_row(shape, seq_len, roofline, args, llc_bytes: int):
     q, k, v = make_inputs(shape, seq_len)
     scale = shape.head_dim_qk**-0.5
     num_copies = copies_for(shape, seq_len, args.cold_bytes)
@@ -540,7 +518,7 @@ def main(argv: list[str] | None = None):
              roofline["fma_gflops"], _gflops(roofline["dot_gflops"]), _gflops(roofline["tile_gflops"]))
     rows = []
     shapes_by_name = {s.name: s for s in SHAPES}
-    llc_bytes = last_level_cache_bytes()
+    llc_bytes = last_level_cache_bytes() or 0  # 0: unknown, no in-core figures
     for shape in (s for s in SHAPES if s.name in args.shapes):
         for seq_len in args.seq_lens:
             row = bench_row(shape, seq_len, roofline, args, llc_bytes)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from writescope import _cpu
+from writescope import _cpu, calibration
 from writescope.tools import bench_cpu_attention as bench
 
 
@@ -57,7 +57,7 @@ def test_rows_carry_the_roofline_the_instructions_and_the_machine(tmp_path):
     assert bench.markdown_table(result).count("\n| ") == len(result["rows"]) + 1
     # an in-core time beside every call, from a KV within half the last-level cache, and the ceiling
     # it makes with the read of the same bytes
-    assert machine["llc_bytes"] == bench.last_level_cache_bytes()
+    assert machine["llc_bytes"] == (calibration.last_level_cache_bytes() or 0)
     for row in result["rows"]:
         shape = next(s for s in bench.SHAPES if s.name == row["shape"])
         tokens = row["in_core_tokens"]
@@ -119,16 +119,6 @@ def test_the_in_core_probe_runs_unpaced_from_cache_and_leaves_pacing_as_it_was(m
     finally:
         _cpu.set_pacing(before)
     assert calls == [False] * (2 * bench.IN_CORE_CALLS)
-
-
-def test_the_last_level_cache_is_the_highest_level_sysfs_lists(tmp_path):
-    for index, level, size in (("index0", 1, "48K"), ("index2", 2, "1024K"), ("index3", 3, "32768K")):
-        (tmp_path / index).mkdir()
-        (tmp_path / index / "level").write_text(f"{level}\n")
-        (tmp_path / index / "size").write_text(f"{size}\n")
-    (tmp_path / "uevent").write_text("")
-    assert bench.last_level_cache_bytes(str(tmp_path)) == 32 << 20
-    assert bench.last_level_cache_bytes(str(tmp_path / "missing")) == 0
 
 
 def test_copies_keep_the_cold_bytes_between_two_reads_of_one():
