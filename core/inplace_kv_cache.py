@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from writescope import ops
-from writescope.block_allocator import BlockAllocator, CapacityError
+from writescope.block_allocator import EXTENT_BLOCKS, BlockAllocator, CapacityError
 from writescope.block_tables import BlockTables
 from writescope.kv_format import PAIRED, KVFormat, from_paired, to_paired
 from writescope.kv_regions import HUGE_PAGE_BYTES, PAGE_BYTES, HostMemoryError, HostRegion, check_segment_blocks
@@ -61,6 +61,7 @@ class CacheConfig:
     host_limit_source: str = ""  # where host_kv_bytes comes from, for messages
     shard_nodes: tuple[int, ...] | None = None  # NUMA node of each cpu_compute shard's memory (None: unbound)
     huge_pages: bool = False  # host regions laid out in 2 MB pages and advised for them (HostRegion.create)
+    extent_blocks: int = EXTENT_BLOCKS  # consecutive block ids a sequence fills before it takes others (BlockAllocator)
 
     def __post_init__(self):
         if self.max_blocks_per_seq is None:
@@ -70,7 +71,8 @@ class CacheConfig:
         for name in ("compute_blocks_per_shard", "transfer_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CacheConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("max_seqs", "pingpong_blocks", "num_shards", "window_tokens", "max_blocks_per_seq"):
+        for name in ("max_seqs", "pingpong_blocks", "num_shards", "window_tokens", "max_blocks_per_seq",
+                     "extent_blocks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"CacheConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.window_tokens % self.format.block_size:
@@ -101,6 +103,14 @@ class CacheConfig:
         region the segment being filled and one idle segment kept for the next blocks."""
         regions = [("cpu_compute", s) for s in range(self.num_shards)] + [("cpu_transfer", 0)]
         return sum(min(2 * self.region_segment_blocks(kind), self.region_blocks(kind)) for kind, _ in regions)
+
+    def frontier_blocks(self) -> int:
+        """Blocks of host memory each further live sequence may leave committed and unplaced: the
+        segment its run is filling in every region of more than one segment (a sequence fills
+        extents of its own, BlockAllocator, so two sequences no longer fill one segment together)."""
+        regions = [("cpu_compute", s) for s in range(self.num_shards)] + [("cpu_transfer", 0)]
+        return sum(self.region_segment_blocks(kind) for kind, _ in regions
+                   if self.region_blocks(kind) > self.region_segment_blocks(kind))
 
     def host_budget_blocks(self) -> int:
         """Blocks every live sequence together may place and reserve: what the regions hold, and
@@ -226,9 +236,10 @@ class InplaceKVCache:
             for region in [*self.compute, self.transfer]:
                 region.release_all()  # nothing in them is live: a new cache commits what it places
         self.compute_alloc = [BlockAllocator(config.compute_blocks_per_shard,
-                                             config.region_segment_blocks("cpu_compute"))
+                                             config.region_segment_blocks("cpu_compute"), config.extent_blocks)
                               for _ in range(config.num_shards)]
-        self.transfer_alloc = BlockAllocator(config.transfer_blocks, config.region_segment_blocks("cpu_transfer"))
+        self.transfer_alloc = BlockAllocator(config.transfer_blocks, config.region_segment_blocks("cpu_transfer"),
+                                             config.extent_blocks)
         self.device = torch.device(config.device)
         window_shapes = [fmt.shape("gpu_window", config.max_seqs, d, window_tokens=config.window_tokens)
                          for d in fmt.stored_dims]
@@ -249,12 +260,17 @@ class InplaceKVCache:
 
     def free_blocks(self) -> int:
         """Blocks a new sequence may still reserve: free in the regions (or held only by the prefix
-        cache, which gives them up when asked) and within the host budget."""
+        cache, which gives them up when asked) and within the host budget, less the segments the
+        live sequences' runs are filling (CacheConfig.frontier_blocks)."""
         reserved = sum(s.reserved_blocks for s in self.seqs.values())
         held = self.allocated_blocks() - self.prefix.num_evictable  # blocks live sequences hold
         in_regions = sum(a.num_free for a in self.compute_alloc) + self.transfer_alloc.num_free + \
             self.prefix.num_evictable - reserved
-        return min(in_regions, self.config.host_budget_blocks() - held - reserved)
+        free = min(in_regions, self.config.host_budget_blocks() - held - reserved)
+        if self.config.host_kv_bytes is not None:  # the memory the live sequences' runs may leave committed
+            memory = self.config.host_kv_bytes // self.config.block_bytes - self.config.slack_blocks()
+            free = min(free, memory - held - reserved - len(self.seqs) * self.config.frontier_blocks())
+        return max(0, free)
 
     def allocated_blocks(self) -> int:
         """Blocks allocated in every region: the live sequences' (a shared one once) and the prefix cache's."""
@@ -318,6 +334,8 @@ class InplaceKVCache:
     def finish(self, seq_id) -> None:
         state = self._state(seq_id)
         self._free([p for p in state.blocks if self.prefix.release(p)])  # registered blocks stay cached
+        for _, alloc in self._regions():
+            alloc.release_owner(seq_id)
         self.tables.clear(state.slot)
         self._free_slots.append(state.slot)
         del self.seqs[seq_id]
@@ -452,7 +470,7 @@ class InplaceKVCache:
         new: list[Placement] = []
         try:
             for region in regions:
-                new.append(self._allocate(region))
+                new.append(self._allocate(region, seq_id))
         except BaseException:  # a segment that could not be committed: the blocks had so far go back
             self._free(new)
             raise
@@ -476,16 +494,17 @@ class InplaceKVCache:
         for region, alloc in self._regions():
             _release_idle_segments(region, alloc)
 
-    def _allocate(self, preferred: Region) -> Placement:
+    def _allocate(self, preferred: Region, seq_id) -> Placement:
         # The policy's region is a preference: when it is full, the other region takes the block
         # (admission reserved the total, so one of them has room, or the prefix cache gives one up).
+        # The sequence owns its ids (BlockAllocator): its blocks run on in the extents it holds.
         self._evict_for(preferred)
         shard = max(range(len(self.compute_alloc)), key=lambda s: self.compute_alloc[s].num_free)
         order = [preferred, Region.CPU_TRANSFER if preferred is Region.CPU_COMPUTE else Region.CPU_COMPUTE]
         for region in order:
             alloc = self.compute_alloc[shard] if region is Region.CPU_COMPUTE else self.transfer_alloc
             if alloc.can_allocate(1):
-                block = alloc.allocate(1)[0]
+                block = alloc.allocate(1, owner=seq_id)[0]
                 host = self.compute[shard] if region is Region.CPU_COMPUTE else self.transfer
                 nodes = self.config.shard_nodes
                 node = nodes[shard] if nodes and region is Region.CPU_COMPUTE else None
@@ -830,7 +849,8 @@ def create_region(config: CacheConfig, kind: str, shard: int = 0, **options) -> 
 
 def _release_idle_segments(region: HostRegion, alloc: BlockAllocator) -> None:
     """Segments with no placed block give their memory back, but for the lowest one: the next block
-    placed goes there (lowest id first), without committing memory again."""
+    placed likely goes there (ids go lowest first, and so do the extents a sequence takes), without
+    committing memory again."""
     idle = sorted(s for s in region.committed if not alloc.segment_in_use(s))
     for index in idle[1:]:
         region.release(index)

@@ -47,6 +47,7 @@ import time
 import torch
 
 from writescope import ops, reference
+from writescope.block_allocator import EXTENT_BLOCKS
 from writescope.tools.bench_cpu_attention import SHAPES, cache_source, copies_for, kv_bytes, make_inputs, probe_buffers
 from writescope.tools.results import check_positive, write_json
 
@@ -314,8 +315,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--variants", nargs="+", default=None,
                         help="ISA variants to run each build with (default: each build's own best)")
     parser.add_argument("--block-sizes", nargs="+", type=int, default=[16], help="tokens per KV block")
-    parser.add_argument("--run-blocks", nargs="+", type=int, default=[16],
-                        help="consecutive physical blocks per run (16: one window flush; 1: every block shuffled)")
+    parser.add_argument("--run-blocks", nargs="+", type=int, default=[EXTENT_BLOCKS],
+                        help=f"consecutive physical blocks per run ({EXTENT_BLOCKS}: one allocator extent; 16: one "
+                             "window flush, as lowest-first ids gave; 1: every block shuffled)")
     parser.add_argument("--pages", nargs="+", default=["4k"], choices=["4k", "2m"],
                         help="page size of the KV copies: 4k as torch allocates them, 2m advised for transparent "
                              "huge pages")

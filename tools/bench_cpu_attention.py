@@ -2,9 +2,10 @@
 
 For each context length and model shape (bf16 KV, one decode query): the median time of the C++
 kernel over KV stored as cpu_compute stores it (16-token blocks, head-major, the paired block
-layout for GQA/MHA and token-major latents for MLA; the sequence's blocks in runs of 16 consecutive
-physical ids, the runs in shuffled order: what the lowest-first allocator gives when sequences
-interleave their 256-token window flushes; --run-blocks 1 shuffles every block), its achieved KV
+layout for GQA/MHA and token-major latents for MLA; the sequence's blocks in runs of 256 consecutive
+physical ids, the runs in shuffled order: the extents BlockAllocator gives each sequence when
+sequences interleave their 256-token window flushes; --run-blocks 16 is what lowest-first ids gave
+them before, 1 shuffles every block), its achieved KV
 GB/s and GFLOP/s, the roofline time max(KV bytes / read bandwidth, QK FLOPs / peak + PV FLOPs /
 peak) with every figure measured in the same run by the extension's own probes (the streaming read
 with all kernel threads; the peaks of the multiply-add instructions the kernel uses for the shape
@@ -75,6 +76,7 @@ import numpy as np
 import torch
 
 from writescope import _cpu, ops, reference
+from writescope.block_allocator import EXTENT_BLOCKS
 from writescope.calibration import cpu_model, last_level_cache_bytes
 from writescope.kv_format import to_paired
 from writescope.tools.results import write_json
@@ -487,8 +489,9 @@ def main(argv: list[str] | None = None):
     parser.add_argument("--peer-repeats", type=int, default=3,
                         help="cycles of kernel calls and one timed call of a torch peer, for each peer")
     parser.add_argument("--no-peers", action="store_true", help="skip the torch peers")
-    parser.add_argument("--run-blocks", type=int, default=16,
-                        help="consecutive physical blocks per run (16: one window flush; 1: every block shuffled)")
+    parser.add_argument("--run-blocks", type=int, default=EXTENT_BLOCKS,
+                        help=f"consecutive physical blocks per run ({EXTENT_BLOCKS}: one allocator extent; 16: one "
+                             "window flush, as lowest-first ids gave; 1: every block shuffled)")
     parser.add_argument("--read-bytes", type=int, default=1 << 30, help="buffer of the bandwidth probe")
     parser.add_argument("--cold-bytes", type=int, default=None,
                         help="bytes read between two reads of the same KV (copies rotated; default --read-bytes; "

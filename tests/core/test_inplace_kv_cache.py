@@ -9,9 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.core.test_block_allocator import runs
 from tests.tolerances import MERGE
 from writescope import ops
-from writescope.block_allocator import BlockAllocator, CapacityError
+from writescope.block_allocator import CapacityError
 from writescope.inplace_kv_cache import CacheConfig, InplaceKVCache
 from writescope.kv_format import KVFormat
 from writescope.perf_model import PerfModel
@@ -116,7 +117,9 @@ operations = st.lists(
 )
 
 
-@pytest.mark.parametrize("fmt,overrides", [(GQA, {}), (MLA, {}), (PAGED, SEGMENTED)], ids=["gqa", "mla", "segmented"])
+@pytest.mark.parametrize("fmt,overrides", [(GQA, {}), (MLA, {}), (PAGED, SEGMENTED),
+                                           (PAGED, {**SEGMENTED, "extent_blocks": 8})],
+                         ids=["gqa", "mla", "segmented", "extents"])
 @settings(max_examples=30, deadline=None)
 @given(ops_list=operations)
 def test_random_interleavings_keep_every_invariant(fmt, overrides, ops_list):
@@ -169,6 +172,24 @@ def check_step_tables(cache):
     for shard, (table, lens) in enumerate(view.compute):
         check(Region.CPU_COMPUTE, shard, table, lens)
     check(Region.CPU_TRANSFER, 0, *view.transfer)
+
+
+@pytest.mark.parametrize("extent_blocks,run", [(16, 16), (1, 2)])
+def test_sequences_decoding_in_turn_fill_runs_as_long_as_their_extents(extent_blocks, run):
+    # two sequences flush their 8-token windows (2 blocks) in the same steps; with one-block extents
+    # their ids interleave as lowest-first ids did, two by two
+    with make_cache(policy=make_policy("all_cpu"), compute_blocks_per_shard=256, num_shards=1, transfer_blocks=8,
+                    window_tokens=8, extent_blocks=extent_blocks) as cache:
+        shadow = Shadow(cache)
+        shadow.admit("a", 1, 160)
+        shadow.admit("b", 1, 160)
+        for _ in range(128):
+            shadow.step(["a", "b"])
+        shadow.check()
+        for seq in ("a", "b"):
+            ids = [p.block for p in cache.seqs[seq].blocks]
+            assert len(ids) == 32 and all(p.region is Region.CPU_COMPUTE for p in cache.seqs[seq].blocks)
+            assert set(runs(ids)) == {run}, f"sequence {seq}: runs of {runs(ids)}"
 
 
 def test_a_batch_keeps_its_tables_until_one_of_its_blocks_is_sealed():
@@ -237,9 +258,14 @@ def test_the_host_budget_bounds_admission_and_is_named_when_it_refuses():
                          window_tokens=16, segment_blocks=4, max_blocks_per_seq=8)
     limited = dataclasses.replace(config, host_kv_bytes=(16 + 12) * config.block_bytes, host_limit_source="a test")
     assert limited.slack_blocks() == 16 and limited.host_budget_blocks() == 12
+    assert limited.frontier_blocks() == 8  # a segment of each region: a's run fills its own
     with InplaceKVCache(limited, make_policy("writescope", PerfModel(2e-7, 1e-7))) as cache:
+        assert cache.free_blocks() == 12
+        cache.admit("a", 16 * 2, 0)  # 2 blocks of the 12, and a segment in each region being filled
+        assert cache.free_blocks() == 12 - 2 - 8
+        cache.finish("a")
         cache.admit("a", 16 * 8, 0)  # 8 blocks of the 12
-        with pytest.raises(CapacityError, match="needs 8 blocks for 128 tokens; 4 are free .* of the 12 the host "):
+        with pytest.raises(CapacityError, match="needs 8 blocks for 128 tokens; 0 are free .* of the 12 the host "):
             cache.admit("b", 16 * 8, 0)
         assert "host limit 0.00 GiB, from a test" in cache.capacity_text()
         cache.finish("a")
@@ -345,19 +371,6 @@ def test_the_pingpong_plan_fills_buffers_with_spans_of_consecutive_blocks():
         assert [c.seq_lens.tolist() for c in view.chunks] == [[16, 0], [8, 8]]
         assert [c.tokens for c in view.chunks] == [16, 16] and view.transfer_tokens == 32
         assert cache.step_view(["b"], pending_tokens=0).chunks[0].spans == ((0, 6, 2),)
-
-
-def test_block_allocator_reuses_freed_blocks_lowest_first():
-    alloc = BlockAllocator(6)
-    first = alloc.allocate(4)
-    assert first == [0, 1, 2, 3]
-    alloc.free([1, 2])
-    assert alloc.allocate(3) == [1, 2, 4]
-    alloc.check_integrity()
-    with pytest.raises(CapacityError, match="asked for 2 blocks, 1 of 6 are free"):
-        alloc.allocate(2)
-    with pytest.raises(ValueError, match="block 5 is not allocated"):
-        alloc.free([5])
 
 
 @pytest.mark.parametrize("field,value,message", [
