@@ -117,9 +117,12 @@ class CacheConfig:
         within host_kv_bytes (less the slack) where a host limit is set."""
         held = min(self.num_shards * self.compute_blocks_per_shard + self.transfer_blocks,
                    self.max_seqs * self.max_blocks_per_seq)  # what the regions hold, what admission can reserve
-        if self.host_kv_bytes is None:
-            return held
-        return max(0, min(held, self.host_kv_bytes // self.block_bytes - self.slack_blocks()))
+        memory = self.memory_blocks()
+        return held if memory is None else max(0, min(held, memory))
+
+    def memory_blocks(self) -> int | None:
+        """Blocks host_kv_bytes holds less the slack (None: no host limit)."""
+        return None if self.host_kv_bytes is None else self.host_kv_bytes // self.block_bytes - self.slack_blocks()
 
     def with_host_limit(self, max_host_kv_bytes: int | None = None, share: float = 1.0) -> CacheConfig:
         """This config under the host limit: max_host_kv_bytes, or what the machine has available
@@ -267,8 +270,8 @@ class InplaceKVCache:
         in_regions = sum(a.num_free for a in self.compute_alloc) + self.transfer_alloc.num_free + \
             self.prefix.num_evictable - reserved
         free = min(in_regions, self.config.host_budget_blocks() - held - reserved)
-        if self.config.host_kv_bytes is not None:  # the memory the live sequences' runs may leave committed
-            memory = self.config.host_kv_bytes // self.config.block_bytes - self.config.slack_blocks()
+        memory = self.config.memory_blocks()
+        if memory is not None:  # the memory the live sequences' runs may leave committed
             free = min(free, memory - held - reserved - len(self.seqs) * self.config.frontier_blocks())
         return max(0, free)
 

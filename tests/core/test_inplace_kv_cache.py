@@ -376,6 +376,7 @@ def test_the_pingpong_plan_fills_buffers_with_spans_of_consecutive_blocks():
 @pytest.mark.parametrize("field,value,message", [
     ("window_tokens", 6, "multiple of block_size"),
     ("max_seqs", 0, "max_seqs must be >= 1"),
+    ("extent_blocks", 0, "extent_blocks must be >= 1"),
     ("transfer_blocks", -1, "transfer_blocks must be >= 0"),
 ])
 def test_cache_config_validation(field, value, message):
