@@ -337,10 +337,11 @@ def _triton_module():
 
 def cpu_rounds_probabilities(q_dtype, kv_dtype) -> bool:
     """Whether the "cpu" backend rounds the softmax probabilities to bf16 before PV, as a GPU
-    tensor-core dot and transformers' bf16 attention do: its bf16-dot path, taken for bf16 q and KV
-    where the extension measured the dot faster than float32 FMAs. Each output dim is then within
-    `reference.probability_rounding_atol(v)` of the float32 reference; lse stays float32-exact."""
-    return q_dtype == kv_dtype == torch.bfloat16 and _cpu_module().uses_bf16_dot()
+    tensor-core dot and transformers' bf16 attention do: for bf16 q and KV, its bf16-dot path (where
+    the extension measured the dot faster than float32 FMAs) and its AMX tile products. Each output
+    dim is then within `reference.probability_rounding_atol(v)` of the float32 reference; lse stays
+    float32-exact."""
+    return q_dtype == kv_dtype == torch.bfloat16 and _cpu_module().rounds_probabilities()
 
 
 @functools.cache

@@ -183,8 +183,10 @@ def measure(contestants: list[Contestant], modules: list, shape, seq_len: int, c
     for contestant, module in zip(contestants, modules, strict=True):
         call(module, q[None], sources[contestant.block_size, contestant.run_blocks, contestant.pages][0], scale, out,
              lse, contestant.chunk_tokens, contestant.pacing)
-        # a build on its bf16-dot path rounds the probabilities to bf16 (see ops.cpu_rounds_probabilities)
-        rounds_probabilities = getattr(module, "uses_bf16_dot", lambda: False)()
+        # a build on its bf16-dot path or on AMX tiles rounds the probabilities to bf16 (see
+        # ops.cpu_rounds_probabilities); older builds have only uses_bf16_dot
+        older = getattr(module, "uses_bf16_dot", lambda: False)
+        rounds_probabilities = getattr(module, "rounds_probabilities", older)()
         rounding = reference.probability_rounding_atol(v) if rounds_probabilities else 0.0
         torch.testing.assert_close(out[0], ref_out, atol=2e-5 + rounding, rtol=1e-4)
         torch.testing.assert_close(lse[0], ref_lse, atol=2e-5, rtol=1e-5)

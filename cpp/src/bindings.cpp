@@ -136,6 +136,9 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("cost_per_level"), py::arg("items"),
       "The levels the pacing search runs `items` items at, each item at level l costing cost_per_level[l] "
       "seconds per token: the controller the kernel uses, on a given cost curve.");
+  m.def("rounds_probabilities", [] { return rounds_probabilities(runtime()); },
+        "Whether the kernels may round the probabilities of bf16 q and KV to bf16 before PV: the bf16 dot "
+        "path (uses_bf16_dot) and the AMX tile products do, as the GPU kernel's tensor-core dot does.");
   m.def("uses_bf16_dot", [] { return runtime().bf16_dot_faster; },
         "Whether the kernels take bf16 q.K and PV (the probabilities rounded to bf16) through the bf16 dot "
         "product: only where the variant has one and it measured faster than float32 FMAs on this CPU.");

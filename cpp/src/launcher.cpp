@@ -314,6 +314,7 @@ double paged_attention(const py::array& q, const py::array& k_cache, const py::a
   const auto started = std::chrono::steady_clock::now();  // the pool is ours from here
   job.kernels = rt.kernels;
   job.args.use_bf16_dot = rt.bf16_dot_faster;
+  job.args.round_probabilities = rounds_probabilities(rt);
   job.args.pace_loops = rt.pace_loops;
   job.workspaces = &rt.workspaces;
   const int64_t ws_bytes = kernel_workspace_bytes(job.group_size, job.args.head_dim_qk, job.args.head_dim_v,

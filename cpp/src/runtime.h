@@ -27,6 +27,12 @@ struct Runtime {
 
 Runtime& runtime();
 
+// Whether the selected variant's kernels round the probabilities of bf16 q and KV to bf16 before PV:
+// the bf16 dot path (where it is the faster) and the AMX tiles do.
+inline bool rounds_probabilities(const Runtime& rt) {
+  return rt.bf16_dot_faster || (rt.kernels != nullptr && rt.kernels->tile_burst != nullptr);
+}
+
 // Variants this CPU can run, best first (e.g. {"avx512", "avx2", "scalar"}).
 std::vector<std::string> available_variants();
 // Selects a variant by name; throws std::invalid_argument naming the allowed ones.

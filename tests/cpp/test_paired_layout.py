@@ -15,15 +15,17 @@ from writescope.policies import make_policy
 
 
 def paged(lens, block_size, *, num_kv_heads=2, group=4, head_dim_k=128, head_dim_v=128, dtype=torch.bfloat16,
-          q_dtype=torch.bfloat16, seed=0):
+          q_dtype=torch.bfloat16, seed=0, run_blocks=1):
     """A ragged batch in shuffled blocks: q and the token-major source, with NaN in every slot past a
-    sequence's end (nothing there may reach the result)."""
+    sequence's end (nothing there may reach the result). run_blocks: the block ids in runs of that
+    many consecutive ids (as an allocator extent gives them), the runs shuffled."""
     generator = torch.Generator().manual_seed(seed)
     counts = [-(-n // block_size) for n in lens]
     num_blocks = sum(counts) + 3
     k = torch.randn(num_blocks, num_kv_heads, block_size, head_dim_k, generator=generator).to(dtype)
     v = torch.randn(num_blocks, num_kv_heads, block_size, head_dim_v, generator=generator).to(dtype)
-    order = torch.randperm(num_blocks, generator=generator)
+    runs = torch.arange(num_blocks).split(run_blocks)
+    order = torch.cat([runs[i] for i in torch.randperm(len(runs), generator=generator)])
     table = torch.zeros(len(lens), max(counts + [1]), dtype=torch.int32)
     first = 0
     for s, (n, count) in enumerate(zip(lens, counts, strict=True)):
@@ -123,10 +125,11 @@ def test_result_is_identical_for_any_thread_count():
     assert_identical(results_for_thread_counts(q, as_paired(source)))
 
 
-def probabilities_rounded_once(q, source, scale):
-    """out of one sequence of one tile (64 tokens or fewer) as the bf16-dot path computes it: float32
-    scores and probabilities, each probability rounded to bf16 for PV except a lone last token's (an
-    odd count), the float32 sum as the normaliser. q [1, num_q_heads, head_dim_qk]."""
+def probabilities_rounded_once(q, source, scale, lone_last_float32: bool):
+    """out of one sequence of one tile (64 tokens or fewer) as the rounding paths compute it: float32
+    scores and probabilities, each probability rounded to bf16 for PV (except a lone last token's, of
+    an odd count, on the bf16-dot path: lone_last_float32; the AMX tiles round it too), the float32
+    sum as the normaliser. q [1, num_q_heads, head_dim_qk]."""
     seq_len = int(source.seq_lens[0])
     k = reference.gather_sequence(source.k_cache, source.block_table[0], seq_len).float()
     v = reference.gather_sequence(source.v_cache, source.block_table[0], seq_len).float()
@@ -135,19 +138,19 @@ def probabilities_rounded_once(q, source, scale):
     scores = q_grouped @ k.transpose(1, 2) * scale  # [num_kv_heads, group, seq_len]
     p = torch.exp(scores - scores.amax(-1, keepdim=True))
     rounded = p.bfloat16().float()
-    if seq_len % 2:
+    if seq_len % 2 and lone_last_float32:
         rounded[..., -1] = p[..., -1]
     return ((rounded @ v) / p.sum(-1, keepdim=True)).reshape(1, q.shape[1], v.shape[-1])
 
 
 @pytest.mark.parametrize("layout", ["paired", "token_major"])
 @pytest.mark.parametrize("seq_len", [64, 61])
-def test_the_dot_path_rounds_each_probability_to_bf16_once(layout, seq_len):
+def test_bf16_q_and_kv_have_each_probability_rounded_to_bf16_once(layout, seq_len):
     if not ops.cpu_rounds_probabilities(torch.bfloat16, torch.bfloat16):
-        pytest.skip(f"variant {_cpu.__cpu_variant__} here takes PV in float32 FMAs (no faster bf16 dot)")
+        pytest.skip(f"variant {_cpu.__cpu_variant__} here takes PV in float32 FMAs (no faster bf16 dot, no AMX)")
     q, source = paged([seq_len], 16, num_kv_heads=2, group=8)
     out, _, _ = ops.cpu_paged_attention_timed(q, as_paired(source) if layout == "paired" else source, 0.09)
-    expected = probabilities_rounded_once(q, source, 0.09)
+    expected = probabilities_rounded_once(q, source, 0.09, lone_last_float32=_cpu.uses_bf16_dot())
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
     float32_out, _ = ops.paged_partial_attention(q, *source, scale=0.09, backend="torch")
     assert (out - float32_out).abs().max() > 1e-4  # the rounding is visible: the test tells the two apart

@@ -1,6 +1,7 @@
-"""The shapes the amx variant runs as tile products (groups of 8 to 16 heads, 16-token blocks), in both
-layouts, against the float32 torch reference; on every other variant the same calls take the vector
-paths, so the tests hold everywhere. Unused block slots hold NaN: nothing there may reach a result."""
+"""The shapes the amx variant runs as tile products (4 heads or more per kv head in the paired layout, 8 to
+16 token-major; blocks of whole 16 tokens), in both layouts, against the float32 torch reference; on every
+other variant the same calls take the vector paths, so the tests hold everywhere. Unused block slots hold
+NaN: nothing there may reach a result."""
 
 import pytest
 import torch
@@ -15,13 +16,35 @@ def reference(q, source):
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32, torch.float16])
-@pytest.mark.parametrize("group", [8, 16, 24])
+@pytest.mark.parametrize("group", [4, 8, 16, 24])
 @pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_paired_tiles(cpu_variant, q_dtype, group, block_size):
     q, source = paged([613, 77, 16, 1], block_size, group=group, q_dtype=q_dtype)
     out, lse, _ = ops.cpu_paged_attention_timed(q, as_paired(source), 128**-0.5)
     tol_out = cpu_out_tolerance(q.dtype, source.k_cache.dtype, source.v_cache)
     assert_partials_close(out, lse, *reference(q, source), tol_out)
+
+
+def head_major(source: ops.KVSource) -> ops.KVSource:
+    """The cache's storage: [num_kv_heads, num_blocks, <block>] seen as [num_blocks, num_kv_heads,
+    <block>], so one head's blocks of consecutive ids lie one after the other."""
+    def relaid(blocks):
+        return blocks.transpose(0, 1).contiguous().transpose(0, 1)
+
+    return ops.KVSource(relaid(source.k_cache), relaid(source.v_cache), *source[2:])
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("run_blocks", [2, 3, 256])
+@pytest.mark.parametrize("group", [8, 16])
+def test_paired_tiles_over_consecutive_blocks(cpu_variant, q_dtype, run_blocks, group):
+    """16-token blocks with consecutive ids: the amx variant takes two blocks' V, 32 tokens, in one tile
+    product wherever a tile's pairs of blocks lie one after the other (runs of 3: some tiles do, some do
+    not), and 16 tokens elsewhere."""
+    q, source = paged([613, 77, 96, 33, 1], 16, group=group, q_dtype=q_dtype, run_blocks=run_blocks)
+    out, lse, _ = ops.cpu_paged_attention_timed(q, head_major(as_paired(source)), 128**-0.5)
+    assert_partials_close(out, lse, *reference(q, source),
+                          cpu_out_tolerance(q.dtype, source.k_cache.dtype, source.v_cache))
 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
@@ -59,10 +82,13 @@ def test_the_instructions_reported_follow_the_variant_and_shape():
             assert (_cpu.multiply_add_instructions("paired", 8, 128, 128, 16) == tiles) == (variant == "amx")
             assert (_cpu.multiply_add_instructions("token_major", 16, 576, 512, 16) == tiles) == (variant == "amx")
             vector = "dot" if _cpu.uses_bf16_dot() else "fma"  # bf16 q.K and PV: the dot where it measured faster
-            assert _cpu.multiply_add_instructions("paired", 4, 128, 128, 16) == (vector, vector)
+            assert (_cpu.multiply_add_instructions("paired", 4, 128, 128, 16) == tiles) == (variant == "amx")
+            assert _cpu.multiply_add_instructions("paired", 2, 128, 128, 16) == (vector, vector)
             assert _cpu.multiply_add_instructions("token_major", 4, 576, 512, 16) == (vector, vector)
             if variant not in ("avx512bf16", "amx"):
                 assert not _cpu.uses_bf16_dot()  # no bf16 dot instruction to use
+            # bf16 q and KV have their probabilities rounded on the bf16 dot path and on the tiles only
+            assert _cpu.rounds_probabilities() == (_cpu.uses_bf16_dot() or variant == "amx")
             assert _cpu.multiply_add_instructions("paired", 8, 128, 128, 8)[1] == vector  # half-tile blocks
     finally:
         _cpu.set_variant(default)

@@ -41,6 +41,9 @@ struct PagedAttentionArgs {
   int64_t block_table_stride;
   const int32_t* seq_lens;
   bool use_bf16_dot;  // bf16 q.K through the variant's bf16 dot (where it has one and it is the faster here)
+  // bf16 q and KV: the probabilities may be rounded to bf16 before PV (the bf16 dot path's and the AMX
+  // tiles' contract: ops.cpu_rounds_probabilities)
+  bool round_probabilities;
   bool pace_loops;    // the paired kernel's loops paced to the memory rate, searched online (pacing.h)
   int64_t num_seqs, num_q_heads, num_kv_heads, head_dim_qk, head_dim_v, block_size;
   float scale;
@@ -96,19 +99,25 @@ inline int64_t amx_workspace_offset(int64_t group, int64_t head_dim_qk, int64_t 
 inline int64_t kernel_workspace_bytes(int64_t group, int64_t head_dim_qk, int64_t head_dim_v, int64_t block_size) {
   const int64_t tile_tokens = kTileTokens > block_size ? kTileTokens : block_size;
   // The AMX paths' operands: q (and its transpose) and probabilities split in bf16 high and low
-  // halves; one block of V with the slots past a sequence's end zeroed, or one 16-token group's 64
-  // dims of 32 tokens in token pairs; a [16, group] float32 tile of transposed scores; alignment.
-  const int64_t v_bytes = block_size * head_dim_v * 2 > 16 * 64 * 2 * 2 ? block_size * head_dim_v * 2 : 16 * 64 * 2 * 2;
+  // halves; one block of V with the slots past a sequence's end zeroed, one 16-token group's 64
+  // dims of 32 tokens in token pairs, or 16 V rows with those past the end zeroed; the transposed
+  // scores of a tile [tile_tokens, group] float32; the probabilities as bf16 in 32-bit words, even
+  // and odd [group, tile_tokens] each; alignment.
+  int64_t v_bytes = block_size * head_dim_v * 2 > 16 * 64 * 2 * 2 ? block_size * head_dim_v * 2 : 16 * 64 * 2 * 2;
+  v_bytes = v_bytes > 16 * head_dim_v * 2 ? v_bytes : 16 * head_dim_v * 2;
   const int64_t amx_bytes = 4 * group * head_dim_qk * 2 + 2 * group * tile_score_stride(tile_tokens) * 2 + v_bytes +
-                            16 * group * 4 + 6 * 64;
+                            tile_tokens * group * 4 + 2 * group * tile_tokens * 4 + 7 * 64;
   return amx_workspace_offset(group, head_dim_qk, block_size) + amx_bytes;
 }
 
 // Where the AMX variant runs QK and PV as tile products (bf16 KV), measured to pay on a 2-vCPU Xeon
-// (Sapphire Rapids class): from 8 heads per kv head (Qwen3 +10% at 128K, MLA 2x); at 4 (Mixtral) and
-// 1 (MHA) the FMA loops overlap memory better (-13%, -19%). The shapes must fill whole tiles.
+// (Sapphire Rapids class): from 8 heads per kv head (Qwen3 +10% at 128K, MLA 2x); at 1 (MHA) the FMA
+// loops overlap memory better (-19%). The paired kernel takes 4 heads (Mixtral) too since its tile
+// products share one configuration and take 32 tokens of V each: measured on a 2-vCPU Xeon (Emerald
+// Rapids class) at 8K and 32K, interleaved against the FMA loops, 1.06x at both. The shapes must fill
+// whole tiles.
 inline bool paired_tiles_fit(int64_t group, int64_t head_dim_qk, int64_t head_dim_v, int64_t block_size) {
-  return group >= 8 && block_size % 16 == 0 && head_dim_qk % 32 == 0 && head_dim_v % 16 == 0;
+  return group >= 4 && block_size % 16 == 0 && head_dim_qk % 32 == 0 && head_dim_v % 16 == 0;
 }
 inline bool token_major_tiles_fit(int64_t group, int64_t head_dim_qk, int64_t head_dim_v, int64_t block_size) {
   return group >= 8 && group <= 16 && block_size % 16 == 0 && head_dim_qk % 32 == 0 && head_dim_v % 32 == 0;

@@ -216,12 +216,23 @@ struct PairedKernel {
 
   // ------------------------------------------------------------------ AMX (S::kAmx, bf16 KV)
   // QK: scores [heads, 16 tokens] += q [heads, 32 dims] x K [16 dim pairs, 16 tokens x 2]: the
-  // paired K block is the B operand as stored. PV: out [heads, 16 dims] += P [heads, 16 tokens] x
-  // V [8 token pairs, 16 dims x 2]: the paired V block likewise. q (when not bf16) and P are split
-  // into a bf16 high part and a bf16 low part (x = hi + lo to 2^-17), two tile products each, so the
-  // result keeps float32 accuracy; the scale is applied to the scores, so a bf16 q has no low part.
+  // paired K block is the B operand as stored, four 16-token groups per q chunk loaded. PV: out
+  // [heads, 16 dims] += P [heads, 32 tokens] x V [16 token pairs, 16 dims x 2]: the paired V blocks
+  // likewise, 32 tokens deep where two 16-token blocks lie one after the other (an extent's
+  // consecutive ids), else 16. q (when not bf16) is split into a bf16 high part and a bf16 low part
+  // (x = hi + lo to 2^-17), two tile products each, so the scores keep float32 accuracy; the scale
+  // is applied to the scores, so a bf16 q has no low part. P is split likewise, unless q and KV are
+  // bf16: then it is rounded to bf16 once (round_probabilities). Both products run under one tile
+  // configuration, and the next tile's lines are asked for once per K or V tile loaded (one a q
+  // chunk or a 32-token group gave bursts of ~80 lines that stalled on the fill buffers). Measured
+  // on a 2-vCPU Xeon (Emerald Rapids class), Qwen3-MoE at 32K from DRAM, 2 threads, interleaved
+  // with the previous tile loops (one product per 16-token group, a configuration per product):
+  // 1.11-1.12x (26 -> 29 GB/s); Mixtral 1.06x over the FMA loops at 8K and 32K.
   bool amx = false;
   bool q_has_low = false;
+  // P's low part takes tile products too, unless bf16 q and KV may have it rounded to bf16
+  // (PagedAttentionArgs::round_probabilities), as the bf16 dot path and the GPU kernel round it.
+  bool p_has_low = true;
   uint16_t* q_hi;  // [group, dim_qk] bf16
   uint16_t* q_lo;
   uint16_t* p_hi;  // [group, stride] bf16
@@ -229,43 +240,101 @@ struct PairedKernel {
   T* v_clean;      // one V block [block_size / 2, dim_v, 2], slots past the sequence's end zeroed
   AmxTiles<S> tiles;
 
+  // q32 -> bf16 high and low parts, 16 at a time (group * dim_qk is a multiple of 32 here: a scalar
+  // loop was ~10% of a Qwen3-MoE item of 1K tokens on a 2-vCPU Xeon, in cache).
   void split_queries() {
-    q_has_low = false;
-    for (int64_t i = 0; i < group * dim_qk; ++i) {
-      const float x = q32[i];
-      const uint16_t hi = bf16_round(x);
-      const uint16_t lo = bf16_round(x - bf16_bits_to_float(hi));
-      q_hi[i] = hi;
-      q_lo[i] = lo;
-      q_has_low = q_has_low || (lo & 0x7FFFu) != 0;
+    if constexpr (S::kAmx) {
+      uint32_t any_low = 0;
+      for (int64_t i = 0; i < group * dim_qk; i += 16) {
+        S::split_bf16(q32 + i, q_hi + i, q_lo + i);
+        for (int64_t j = 0; j < 16; ++j) any_low |= q_lo[i + j] & 0x7FFFu;
+      }
+      q_has_low = any_low != 0;
     }
   }
 
+  // Scores of the tile's 16-token groups, four at a time in accumulators 0-3, so each q chunk
+  // loaded serves four K tiles (B operands 6 and 7 in turn).
   void amx_scores(int64_t blocks) {
     if constexpr (S::kAmx) {
-      const int64_t k_stride_bytes = block_size * 4;  // one dim pair of a block's tokens
+      const int64_t groups = blocks * block_size / 16;
       for (int64_t g0 = 0; g0 < group; g0 += 16) {
-        const int64_t rows = group - g0 < 16 ? group - g0 : 16;
-        tiles.configure_paired_scores(rows);
-        Prefetcher prefetch = pf;
-        for (int64_t j = 0; j < blocks; ++j) {
-          for (int64_t t0 = 0; t0 < block_size; t0 += 16) {
-            S::template tile_zero<0>();
-            for (int64_t c = 0; c < dim_qk; c += 32) {
-              prefetch.step();
-              S::template tile_load<1>(q_hi + g0 * dim_qk + c, dim_qk * 2);
-              S::template tile_load<3>(k_blocks[j] + ((c / 2) * block_size + t0) * 2, k_stride_bytes);
-              S::template tile_dot<0, 1, 3>();
-              if (q_has_low) {
-                S::template tile_load<2>(q_lo + g0 * dim_qk + c, dim_qk * 2);
-                S::template tile_dot<0, 2, 3>();
-              }
-            }
-            S::template tile_store<0>(scores + g0 * stride + j * block_size + t0, stride * 4);
+        tiles.configure_paired(group - g0 < 16 ? group - g0 : 16);
+        for (int64_t u0 = 0; u0 < groups; u0 += 4) {
+          switch (groups - u0 < 4 ? groups - u0 : 4) {
+            case 1: amx_score_groups<1>(g0, u0); break;
+            case 2: amx_score_groups<2>(g0, u0); break;
+            case 3: amx_score_groups<3>(g0, u0); break;
+            default: amx_score_groups<4>(g0, u0); break;
           }
         }
-        pf = prefetch;
       }
+    }
+  }
+
+  // Heads [g0, g0 + 16) x the N 16-token groups from u0: scores [heads, 16 N] into `scores`.
+  template <int N>
+  void amx_score_groups(int64_t g0, int64_t u0) {
+    if constexpr (S::kAmx) {
+      const int64_t k_stride_bytes = block_size * 4;  // one dim pair of a block's tokens
+      const T* k[N];
+      WS_UNROLL
+      for (int u = 0; u < N; ++u) k[u] = k_blocks[(u0 + u) * 16 / block_size] + ((u0 + u) * 16 % block_size) * 2;
+      S::template tile_zero<0>();
+      if constexpr (N > 1) S::template tile_zero<1>();
+      if constexpr (N > 2) S::template tile_zero<2>();
+      if constexpr (N > 3) S::template tile_zero<3>();
+      Prefetcher prefetch = pf;
+      const uint16_t* q_row = q_hi + g0 * dim_qk;
+      if (q_has_low) {
+        for (int64_t c = 0; c < dim_qk; c += 32) {
+          S::template tile_load<4>(q_row + c, dim_qk * 2);
+          S::template tile_load<5>(q_lo + g0 * dim_qk + c, dim_qk * 2);
+          amx_score_chunk<N, 4, true>(prefetch, k, (c / 2) * block_size * 2, k_stride_bytes);
+        }
+      } else {
+        // A bf16 q has no low part: its chunks go to tiles 4 and 5 in turn, so a chunk's load need
+        // not wait for the last product reading the chunk before.
+        int64_t c = 0;
+        for (; c + 64 <= dim_qk; c += 64) {
+          S::template tile_load<4>(q_row + c, dim_qk * 2);
+          amx_score_chunk<N, 4, false>(prefetch, k, (c / 2) * block_size * 2, k_stride_bytes);
+          S::template tile_load<5>(q_row + c + 32, dim_qk * 2);
+          amx_score_chunk<N, 5, false>(prefetch, k, (c / 2 + 16) * block_size * 2, k_stride_bytes);
+        }
+        if (c < dim_qk) {
+          S::template tile_load<4>(q_row + c, dim_qk * 2);
+          amx_score_chunk<N, 4, false>(prefetch, k, (c / 2) * block_size * 2, k_stride_bytes);
+        }
+      }
+      pf = prefetch;
+      float* out = scores + g0 * stride + u0 * 16;
+      S::template tile_store<0>(out, stride * 4);
+      if constexpr (N > 1) S::template tile_store<1>(out + 16, stride * 4);
+      if constexpr (N > 2) S::template tile_store<2>(out + 32, stride * 4);
+      if constexpr (N > 3) S::template tile_store<3>(out + 48, stride * 4);
+    }
+  }
+
+  // Accumulators 0..N-1 += q chunk (tile A; kLow: its low part in tile 5 too) x the K chunk at
+  // k[u] + at of each group u.
+  template <int N, int A, bool kLow>
+  WS_INLINE void amx_score_chunk(Prefetcher& prefetch, const T* const* k, int64_t at, int64_t k_stride_bytes) {
+    if constexpr (S::kAmx) {
+      amx_score_product<0, A, kLow>(prefetch, k[0] + at, k_stride_bytes);
+      if constexpr (N > 1) amx_score_product<1, A, kLow>(prefetch, k[1] + at, k_stride_bytes);
+      if constexpr (N > 2) amx_score_product<2, A, kLow>(prefetch, k[2] + at, k_stride_bytes);
+      if constexpr (N > 3) amx_score_product<3, A, kLow>(prefetch, k[3] + at, k_stride_bytes);
+    }
+  }
+  template <int C, int A, bool kLow>
+  WS_INLINE void amx_score_product(Prefetcher& prefetch, const void* b, int64_t stride_bytes) {
+    if constexpr (S::kAmx) {
+      constexpr int B = 6 + (C & 1);
+      prefetch.step();
+      S::template tile_load<B>(b, stride_bytes);
+      S::template tile_dot<C, A, B>();
+      if constexpr (kLow) S::template tile_dot<C, 5, B>();
     }
   }
 
@@ -288,6 +357,13 @@ struct PairedKernel {
     }
   }
 
+  // The rounded probabilities (update_softmax's, to count rounded up to the vector width) zeroed
+  // from there to the tile's end.
+  void zero_rounded_tail(int64_t count, int64_t blocks) {
+    const int64_t from = (count + W - 1) / W * W, end = blocks * block_size;
+    for (int64_t g = 0; g < group && from < end; ++g) std::memset(p_hi + g * stride + from, 0, (end - from) * 2);
+  }
+
   // A partial last block's V with the slots from `valid` on zeroed: a zero probability times a NaN
   // left in an unused slot would still be NaN in a tile product.
   const T* clean_block(const T* v_block, int64_t valid) {
@@ -304,16 +380,21 @@ struct PairedKernel {
 
   void amx_values(int64_t blocks, int64_t count, float* acc) {
     if constexpr (S::kAmx) {
-      split_probabilities(count, blocks);
+      if (p_has_low) split_probabilities(count, blocks);
+      else zero_rounded_tail(count, blocks);
       const int64_t last_valid = count - (blocks - 1) * block_size;
       if (last_valid < block_size) v_blocks[blocks - 1] = clean_block(v_blocks[blocks - 1], last_valid);
+      if (token_pairs_span_32(blocks)) {
+        for (int64_t g0 = 0; g0 < group; g0 += 16) amx_values_32(g0, group - g0 < 16 ? group - g0 : 16, blocks, acc);
+        return;
+      }
       const int64_t per_block = block_size / 16;
       for (int64_t g0 = 0; g0 < group; g0 += 16) {
         const int64_t rows = group - g0 < 16 ? group - g0 : 16;
         Prefetcher prefetch = pf;
         // 16-token group k is tokens [16 k, 16 k + 16) of the tile: block k / per_block, its token
         // pairs from 8 (k % per_block); 64 dims from d0 are 4 B operands 32 elements apart
-        tiles.values(acc + g0 * dim_v, dim_v, rows, p_hi + g0 * stride, p_lo + g0 * stride, stride,
+        tiles.values(acc + g0 * dim_v, dim_v, rows, p_hi + g0 * stride, p_has_low ? p_lo + g0 * stride : nullptr, stride,
                      blocks * per_block, 16, [&](int64_t k, int64_t d0) {
                        prefetch.step();
                        const T* v = v_blocks[k / per_block] + ((k % per_block) * 8 * dim_v + d0) * 2;
@@ -321,6 +402,78 @@ struct PairedKernel {
                      });
         pf = prefetch;
       }
+    }
+  }
+
+  // Whether each 32 tokens of the tile's V are 16 token pairs dim_v * 4 bytes apart: one B operand
+  // of full depth, where a 16-token group fills half of a tile product. Always so within blocks of
+  // a multiple of 32 tokens; for smaller blocks, where each two of the tile's blocks lie one after
+  // the other (consecutive ids of an allocator extent).
+  bool token_pairs_span_32(int64_t blocks) const {
+    if (block_size % 32 == 0) return true;
+    if ((blocks * block_size) % 32 != 0 || 32 % block_size != 0) return false;
+    const int64_t per_group = 32 / block_size;
+    for (int64_t j = 0; j < blocks; j += per_group)
+      for (int64_t i = 1; i < per_group; ++i)
+        if (v_blocks[j + i] != v_blocks[j] + i * block_size * dim_v) return false;
+    return true;
+  }
+
+  // out [heads g0.., dim_v] += P x V over the tile's 32-token groups, 64 dims (four accumulators)
+  // at a time: P's high and low parts in tiles 4 and 5, a group's 16 token pairs of 16 dims as the
+  // B operand.
+  void amx_values_32(int64_t g0, int64_t rows, int64_t blocks, float* acc) {
+    if constexpr (S::kAmx) {
+      tiles.configure_paired(rows);
+      const int64_t groups = blocks * block_size / 32;
+      const int64_t out_stride = dim_v * 4, v_stride = dim_v * 4;
+      float* out = acc + g0 * dim_v;
+      Prefetcher prefetch = pf;
+      for (int64_t d0 = 0; d0 < dim_v; d0 += 64) {
+        const int64_t n = (dim_v - d0) / 16 < 4 ? (dim_v - d0) / 16 : 4;
+        S::template tile_load<0>(out + d0, out_stride);
+        if (n > 1) S::template tile_load<1>(out + d0 + 16, out_stride);
+        if (n > 2) S::template tile_load<2>(out + d0 + 32, out_stride);
+        if (n > 3) S::template tile_load<3>(out + d0 + 48, out_stride);
+        for (int64_t k = 0; k < groups; ++k) {
+          S::template tile_load<4>(p_hi + g0 * stride + 32 * k, stride * 2);
+          if (p_has_low) S::template tile_load<5>(p_lo + g0 * stride + 32 * k, stride * 2);
+          const int64_t token = 32 * k;
+          const T* v = v_blocks[token / block_size] + ((token % block_size) / 2 * dim_v + d0) * 2;
+          // Each accumulator's two products apart, so neither waits on the other's result.
+          prefetch.step();
+          S::template tile_load<6>(v, v_stride);
+          S::template tile_dot<0, 4, 6>();
+          if (n > 1) {
+            prefetch.step();
+            S::template tile_load<7>(v + 32, v_stride);
+            S::template tile_dot<1, 4, 7>();
+            if (p_has_low) S::template tile_dot<0, 5, 6>();
+            if (p_has_low) S::template tile_dot<1, 5, 7>();
+          } else {
+            if (p_has_low) S::template tile_dot<0, 5, 6>();
+          }
+          if (n > 2) {
+            prefetch.step();
+            S::template tile_load<6>(v + 64, v_stride);
+            S::template tile_dot<2, 4, 6>();
+            if (n > 3) {
+              prefetch.step();
+              S::template tile_load<7>(v + 96, v_stride);
+              S::template tile_dot<3, 4, 7>();
+              if (p_has_low) S::template tile_dot<2, 5, 6>();
+              if (p_has_low) S::template tile_dot<3, 5, 7>();
+            } else {
+              if (p_has_low) S::template tile_dot<2, 5, 6>();
+            }
+          }
+        }
+        S::template tile_store<0>(out + d0, out_stride);
+        if (n > 1) S::template tile_store<1>(out + d0 + 16, out_stride);
+        if (n > 2) S::template tile_store<2>(out + d0 + 32, out_stride);
+        if (n > 3) S::template tile_store<3>(out + d0 + 48, out_stride);
+      }
+      pf = prefetch;
     }
   }
 
@@ -351,6 +504,7 @@ struct PairedKernel {
     kv_head = item.kv_head;
     load_queries(item);
     if (amx) split_queries();
+    p_has_low = !(a.round_probabilities && a.q_dtype == DType::kBFloat16);
     for (int64_t i = 0; i < group * dim_v; ++i) item.out[i] = 0.0f;
     for (int64_t g = 0; g < group; ++g) {
       row_max[g] = kNegInf;
@@ -672,7 +826,9 @@ struct PairedKernel {
 
   // ------------------------------------------------------------------ softmax
   void update_softmax(int64_t count, float* acc) {
-    online_softmax<S>(scores, stride, group, count, row_max, row_sum, acc, dim_v, bf16_dot ? p_hi : nullptr);
+    // The dot path's and the tiles' rounded probabilities come from the softmax's own pass.
+    const bool rounded = bf16_dot || (amx && !p_has_low);
+    online_softmax<S>(scores, stride, group, count, row_max, row_sum, acc, dim_v, rounded ? p_hi : nullptr);
   }
 
   // ------------------------------------------------------------------ values

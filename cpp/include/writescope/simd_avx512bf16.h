@@ -123,11 +123,23 @@ struct Avx512AmxSimd : Avx512Bf16Simd {
   template <int C, int A, int B> static void tile_dot() {
 #define WS_DOT(C_, A_, B_) if constexpr (C == C_ && A == A_ && B == B_) _tile_dpbf16ps(C_, A_, B_);
     WS_DOT(0, 1, 3) WS_DOT(0, 2, 3) WS_DOT(0, 1, 2)
-    WS_DOT(0, 4, 6) WS_DOT(0, 5, 6) WS_DOT(1, 4, 6) WS_DOT(1, 5, 6)
-    WS_DOT(2, 4, 6) WS_DOT(2, 5, 6) WS_DOT(3, 4, 6) WS_DOT(3, 5, 6)
+#define WS_DOT_AB(C_) WS_DOT(C_, 4, 6) WS_DOT(C_, 5, 6) WS_DOT(C_, 4, 7) WS_DOT(C_, 5, 7)
+    WS_DOT_AB(0) WS_DOT_AB(1) WS_DOT_AB(2) WS_DOT_AB(3)
+#define WS_DOT_BA(C_) WS_DOT(C_, 6, 4) WS_DOT(C_, 7, 4) WS_DOT(C_, 6, 5) WS_DOT(C_, 7, 5)
+    WS_DOT_BA(0) WS_DOT_BA(1) WS_DOT_BA(2) WS_DOT_BA(3)
+#undef WS_DOT_BA
+#undef WS_DOT_AB
 #undef WS_DOT
-    static_assert((C == 0 && ((B == 3 && (A == 1 || A == 2)) || (A == 1 && B == 2))) || (B == 6 && C < 4 && (A == 4 || A == 5)),
+    static_assert((C == 0 && ((B == 3 && (A == 1 || A == 2)) || (A == 1 && B == 2))) ||
+                      (C < 4 && (((B == 6 || B == 7) && (A == 4 || A == 5)) || ((A == 6 || A == 7) && (B == 4 || B == 5)))),
                   "add the tile combination to tile_dot");
+  }
+  // 16 floats -> bf16 (nearest even) as the low half of 32-bit words (`even`: the first of each
+  // element pair of a tile operand row) and as their high half (`odd`), the other half zero.
+  static void bf16_words(const float* x, uint32_t* even, uint32_t* odd) {
+    const __m512i words = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x)));
+    _mm512_storeu_si512(even, words);
+    _mm512_storeu_si512(odd, _mm512_slli_epi32(words, 16));
   }
   // 16 floats -> bf16 high parts (nearest even) and bf16 low parts of what the high parts leave.
   static void split_bf16(const float* x, uint16_t* hi, uint16_t* lo) {
