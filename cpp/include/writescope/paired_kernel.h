@@ -241,8 +241,13 @@ struct PairedKernel {
   AmxTiles<S> tiles;
 
   // q32 -> bf16 high and low parts, 16 at a time (group * dim_qk is a multiple of 32 here: a scalar
-  // loop was ~10% of a Qwen3-MoE item of 1K tokens on a 2-vCPU Xeon, in cache).
+  // loop was ~10% of a Qwen3-MoE item of 1K tokens on a 2-vCPU Xeon, in cache); a bf16 q is
+  // already in q_hi.
   void split_queries() {
+    if (a.q_dtype == DType::kBFloat16) {  // load_queries put it in q_hi as it is
+      q_has_low = false;
+      return;
+    }
     if constexpr (S::kAmx) {
       uint32_t any_low = 0;
       for (int64_t i = 0; i < group * dim_qk; i += 16) {
@@ -572,6 +577,11 @@ struct PairedKernel {
     const auto* q = static_cast<const typename Q::Elem*>(a.q) + item.seq * a.q_seq_stride;
     const auto* first_row = q + item.kv_head * group * a.q_head_stride;
     if (amx) {  // the AMX path scales the scores instead
+      if constexpr (std::is_same_v<Q, Bf16Kv>) {
+        // bf16 q is its tile operand as it is: no float copy, no low part (split_queries skips it)
+        for (int64_t g = 0; g < group; ++g) std::memcpy(q_hi + g * dim_qk, first_row + g * a.q_head_stride, dim_qk * 2);
+        return;
+      }
       for (int64_t g = 0; g < group; ++g)
         for (int64_t d = 0; d < dim_qk; ++d) q32[g * dim_qk + d] = Q::one(first_row + g * a.q_head_stride + d);
       return;
