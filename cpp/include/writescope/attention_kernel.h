@@ -233,6 +233,24 @@ struct AmxTiles {
     configured = key;
   }
 
+  // Accumulators 0..n-1 (n <= 4) from out's n 16-float columns, rows `stride_bytes` apart; and back.
+  static void load_accumulators(const float* out, int64_t stride_bytes, int64_t n) {
+    if constexpr (S::kAmx) {
+      S::template tile_load<0>(out, stride_bytes);
+      if (n > 1) S::template tile_load<1>(out + 16, stride_bytes);
+      if (n > 2) S::template tile_load<2>(out + 32, stride_bytes);
+      if (n > 3) S::template tile_load<3>(out + 48, stride_bytes);
+    }
+  }
+  static void store_accumulators(float* out, int64_t stride_bytes, int64_t n) {
+    if constexpr (S::kAmx) {
+      S::template tile_store<0>(out, stride_bytes);
+      if (n > 1) S::template tile_store<1>(out + 16, stride_bytes);
+      if (n > 2) S::template tile_store<2>(out + 32, stride_bytes);
+      if (n > 3) S::template tile_store<3>(out + 48, stride_bytes);
+    }
+  }
+
   // The paired kernel's QK and PV under one configuration (no reload between a tile's two
   // products): 0-3 accumulators [rows heads, 16] f32 (four 16-token score groups, or 64 output
   // dims); 4, 5 A operands [rows, 32] bf16 (q's high and low parts over 32 dims, or P's over 32
@@ -289,10 +307,7 @@ struct AmxTiles {
       const int64_t out_stride = dim_v * 4;
       for (int64_t d0 = 0; d0 < dim_v; d0 += 64) {
         const int64_t n = (dim_v - d0) / 16 < 4 ? (dim_v - d0) / 16 : 4;
-        S::template tile_load<0>(out + d0, out_stride);
-        if (n > 1) S::template tile_load<1>(out + d0 + 16, out_stride);
-        if (n > 2) S::template tile_load<2>(out + d0 + 32, out_stride);
-        if (n > 3) S::template tile_load<3>(out + d0 + 48, out_stride);
+        load_accumulators(out + d0, out_stride, n);
         for (int64_t k = 0; k < groups; ++k) {
           const VSlice v = slice(k, d0);
           const uint16_t* vv = static_cast<const uint16_t*>(v.v);
@@ -317,10 +332,7 @@ struct AmxTiles {
             if (p_lo != nullptr) S::template tile_dot<3, 5, 6>();
           }
         }
-        S::template tile_store<0>(out + d0, out_stride);
-        if (n > 1) S::template tile_store<1>(out + d0 + 16, out_stride);
-        if (n > 2) S::template tile_store<2>(out + d0 + 32, out_stride);
-        if (n > 3) S::template tile_store<3>(out + d0 + 48, out_stride);
+        store_accumulators(out + d0, out_stride, n);
       }
     } else {
       (void)out, (void)dim_v, (void)rows, (void)p_hi, (void)p_lo, (void)p_stride, (void)groups, (void)group_tokens;
@@ -604,12 +616,7 @@ struct ItemKernel {
       const int64_t out_stride = dim_v * 4, p_stride = kTileTokens * 4;
       for (int64_t d0 = 0; d0 < dim_v; d0 += 64) {
         const bool two = d0 + 64 <= dim_v;  // dim_v % 32 == 0: one 32-dim chunk or two
-        S::template tile_load<0>(acc + d0, out_stride);
-        S::template tile_load<1>(acc + d0 + 16, out_stride);
-        if (two) {
-          S::template tile_load<2>(acc + d0 + 32, out_stride);
-          S::template tile_load<3>(acc + d0 + 48, out_stride);
-        }
+        tiles.load_accumulators(acc + d0, out_stride, two ? 4 : 2);
         for (int64_t k = 0; k < groups; ++k) {
           S::template tile_load<4>(p_even + 16 * k, p_stride);
           S::template tile_load<5>(p_odd + 16 * k, p_stride);
@@ -624,12 +631,7 @@ struct ItemKernel {
             S::template tile_dot<3, 5, 7>();
           }
         }
-        S::template tile_store<0>(acc + d0, out_stride);
-        S::template tile_store<1>(acc + d0 + 16, out_stride);
-        if (two) {
-          S::template tile_store<2>(acc + d0 + 32, out_stride);
-          S::template tile_store<3>(acc + d0 + 48, out_stride);
-        }
+        tiles.store_accumulators(acc + d0, out_stride, two ? 4 : 2);
       }
       prefetch = local;
     }
@@ -672,7 +674,7 @@ struct ItemKernel {
     load_queries(item);
     if (lane_heads) return run_lanes(item);
     if (amx) transpose_queries(item);
-    amx_words = amx && !q_has_low && a.q_dtype == DType::kBFloat16 && a.round_probabilities;
+    amx_words = amx && a.q_dtype == DType::kBFloat16 && a.round_probabilities;  // a bf16 q has no low part
     if (amx_words) split_v = dim_v;
     for (int64_t i = 0; i < group * dim_v; ++i) item.out[i] = 0.0f;
     for (int64_t g = 0; g < group; ++g) {

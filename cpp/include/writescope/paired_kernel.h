@@ -436,49 +436,38 @@ struct PairedKernel {
       Prefetcher prefetch = pf;
       for (int64_t d0 = 0; d0 < dim_v; d0 += 64) {
         const int64_t n = (dim_v - d0) / 16 < 4 ? (dim_v - d0) / 16 : 4;
-        S::template tile_load<0>(out + d0, out_stride);
-        if (n > 1) S::template tile_load<1>(out + d0 + 16, out_stride);
-        if (n > 2) S::template tile_load<2>(out + d0 + 32, out_stride);
-        if (n > 3) S::template tile_load<3>(out + d0 + 48, out_stride);
+        tiles.load_accumulators(out + d0, out_stride, n);
         for (int64_t k = 0; k < groups; ++k) {
           S::template tile_load<4>(p_hi + g0 * stride + 32 * k, stride * 2);
           if (p_has_low) S::template tile_load<5>(p_lo + g0 * stride + 32 * k, stride * 2);
           const int64_t token = 32 * k;
           const T* v = v_blocks[token / block_size] + ((token % block_size) / 2 * dim_v + d0) * 2;
-          // Each accumulator's two products apart, so neither waits on the other's result.
-          prefetch.step();
-          S::template tile_load<6>(v, v_stride);
-          S::template tile_dot<0, 4, 6>();
-          if (n > 1) {
-            prefetch.step();
-            S::template tile_load<7>(v + 32, v_stride);
-            S::template tile_dot<1, 4, 7>();
-            if (p_has_low) S::template tile_dot<0, 5, 6>();
-            if (p_has_low) S::template tile_dot<1, 5, 7>();
-          } else {
-            if (p_has_low) S::template tile_dot<0, 5, 6>();
-          }
-          if (n > 2) {
-            prefetch.step();
-            S::template tile_load<6>(v + 64, v_stride);
-            S::template tile_dot<2, 4, 6>();
-            if (n > 3) {
-              prefetch.step();
-              S::template tile_load<7>(v + 96, v_stride);
-              S::template tile_dot<3, 4, 7>();
-              if (p_has_low) S::template tile_dot<2, 5, 6>();
-              if (p_has_low) S::template tile_dot<3, 5, 7>();
-            } else {
-              if (p_has_low) S::template tile_dot<2, 5, 6>();
-            }
-          }
+          value_products<0>(prefetch, v, v_stride, n);
+          if (n > 2) value_products<2>(prefetch, v + 64, v_stride, n - 2);
         }
-        S::template tile_store<0>(out + d0, out_stride);
-        if (n > 1) S::template tile_store<1>(out + d0 + 16, out_stride);
-        if (n > 2) S::template tile_store<2>(out + d0 + 32, out_stride);
-        if (n > 3) S::template tile_store<3>(out + d0 + 48, out_stride);
+        tiles.store_accumulators(out + d0, out_stride, n);
       }
       pf = prefetch;
+    }
+  }
+
+  // Accumulators C and, for count > 1, C + 1 += P x the V tiles of 16 dims at v and v + 32 (B tiles 6
+  // and 7); an accumulator's products of P's two parts apart, so neither waits on the other's result.
+  template <int C>
+  WS_INLINE void value_products(Prefetcher& prefetch, const T* v, int64_t v_stride, int64_t count) {
+    if constexpr (S::kAmx) {
+      prefetch.step();
+      S::template tile_load<6>(v, v_stride);
+      S::template tile_dot<C, 4, 6>();
+      if (count > 1) {
+        prefetch.step();
+        S::template tile_load<7>(v + 32, v_stride);
+        S::template tile_dot<C + 1, 4, 7>();
+      }
+      if (p_has_low) {
+        S::template tile_dot<C, 5, 6>();
+        if (count > 1) S::template tile_dot<C + 1, 5, 7>();
+      }
     }
   }
 
