@@ -24,6 +24,7 @@ that a prefill already placed). The cache must be empty: calibration runs before
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -99,12 +100,25 @@ def cpu_model() -> str:
         return platform.processor()
 
 
+@functools.cache
+def kernel_build() -> str:
+    """The CPU kernel's build: a digest of the extension file. A rebuilt kernel may cost a token
+    differently (2026-12-05, an Emerald Rapids Xeon: the AMX loops became 1.2x faster, and a fit cached
+    an hour before, whose sides' ratio the recheck still passed at 0.67x, put r* at 0 where r = 1 was
+    1.4-1.7x faster), so its fit is not reused."""
+    from writescope import _cpu
+
+    with open(_cpu.__file__, "rb") as extension:
+        return hashlib.sha256(extension.read()).hexdigest()[:16]
+
+
 def machine_fingerprint(device: str) -> str:
-    """What the measurements depend on: CPU model and count, kernel variant and threads, device."""
+    """What the measurements depend on: CPU model and count, kernel build, variant and threads, device."""
     from writescope import _cpu
 
     device_name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
-    parts = [cpu_model(), str(len(os.sched_getaffinity(0))), _cpu.__cpu_variant__, str(_cpu.num_threads()), device_name]
+    parts = [cpu_model(), str(len(os.sched_getaffinity(0))), kernel_build(), _cpu.__cpu_variant__,
+             str(_cpu.num_threads()), device_name]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

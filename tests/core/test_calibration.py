@@ -60,6 +60,15 @@ def test_calibration_times_both_sides_at_each_length_and_fits_them(engine, cache
     assert engine.policy.name == "all_cpu" and engine.cache.policy is engine.policy  # placement restored
 
 
+def test_a_rebuilt_kernel_has_a_fingerprint_of_its_own(monkeypatch):
+    """A fit cached for one build of the CPU kernel is not taken for another: the build is part of the
+    machine's fingerprint, which keys the cache."""
+    before = calibration.machine_fingerprint("cpu")
+    assert before == calibration.machine_fingerprint("cpu")
+    monkeypatch.setattr(calibration, "kernel_build", lambda: "another build")
+    assert calibration.machine_fingerprint("cpu") != before
+
+
 def test_calibration_is_cached_per_machine_and_setup_and_forced_again(engine, cache_dir, monkeypatch):
     """The check of a cached fit is given the fit's own timing at the longest length, as in the test
     below: on a shared host two measurements seconds apart once put the sides' ratio 0.66x apart
