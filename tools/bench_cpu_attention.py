@@ -227,18 +227,63 @@ ALLOCATION_SETTLE_S = 0.5
 
 
 def peer_calls(shape, q, k, v, scale, num_copies) -> dict:
-    """Each torch peer as a callable that reads the next copy of k, v each call: the two bf16 peers
-    share one rotation over num_copies bf16 copies (so neither reads a copy the other just read), the
-    float32 peer its own."""
+    """Each torch peer as (a callable that reads the next copy of k, v each call, the bytes its call
+    allocates beyond its inputs): the two bf16 peers share one rotation over num_copies bf16 copies (so
+    neither reads a copy the other just read), the float32 peer its own."""
     bf16_turn = itertools.cycle(kv_copies(shape, k, v, num_copies))
     fp32_turn = itertools.cycle(kv_copies(shape, k, v, num_copies, torch.float32))
     q32 = q.float()
+    seq_len = k.shape[1]
+    sdpa_bytes, bmm_bytes = sdpa_transient_bytes(shape, seq_len), bmm_softmax_transient_bytes(shape, seq_len)
     # bmm+softmax, the best peer on every row so far, first: before any SDPA call has churned memory
     return {
-        "bmm_softmax_bf16": lambda: bmm_softmax(q, *next(bf16_turn), scale),
-        "sdpa_bf16": lambda: sdpa(q, *next(bf16_turn), scale),
-        "sdpa_fp32": lambda: sdpa(q32, *next(fp32_turn), scale),
+        "bmm_softmax_bf16": (lambda: bmm_softmax(q, *next(bf16_turn), scale), bmm_bytes),
+        "sdpa_bf16": (lambda: sdpa(q, *next(bf16_turn), scale), sdpa_bytes),
+        "sdpa_fp32": (lambda: sdpa(q32, *next(fp32_turn), scale), sdpa_bytes),
     }
+
+
+# SDPA on the CPU takes grouped heads (enable_gqa) through its math path: it repeats k and v to every q
+# head, in float32 whatever the inputs. Measured at MLA 128K (16 q heads on one 576-dim latent, 2-vCPU
+# Xeon, torch 2.13): 13.0 GB (float32 inputs) and 13.5 GB (bf16) beyond the inputs, one call of 9-17 s;
+# 1.5x the float32 bytes of the repeated k and v. Beside the row's copies that ran a 24 GiB host out of
+# memory. MHA (one q head a kv head) takes the fused path and allocates little.
+SDPA_REPEAT_OVERHEAD = 1.5
+# A peer runs only where its call's estimate is at most this share of the memory still available.
+PEER_MEMORY_SHARE = 0.8
+
+
+def sdpa_transient_bytes(shape: Shape, seq_len: int) -> int:
+    if shape.num_q_heads == shape.num_kv_heads:
+        return 0
+    repeated = shape.num_q_heads * seq_len * (shape.head_dim_qk + shape.head_dim_v) * 4
+    return int(SDPA_REPEAT_OVERHEAD * repeated)
+
+
+def bmm_softmax_transient_bytes(shape: Shape, seq_len: int) -> int:
+    # float32 scores, their softmax and its bf16 copy
+    return shape.num_q_heads * seq_len * (4 + 4 + 2)
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo; None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peer_skip_reason(transient_bytes: int) -> str | None:
+    """Why a peer whose call allocates transient_bytes cannot run now, or None when it can."""
+    available = available_memory_bytes()
+    if available is None or transient_bytes <= PEER_MEMORY_SHARE * available:
+        return None
+    return (f"its call allocates ~{transient_bytes / 2**30:.1f} GiB, more than {PEER_MEMORY_SHARE:.0%} of the "
+            f"{available / 2**30:.1f} GiB available")
 
 
 def wake_torch(q, k, v, scale):
@@ -248,16 +293,22 @@ def wake_torch(q, k, v, scale):
 
 def peer_cycles(kernel_turn, peers: dict, wake_peers, cycles: int) -> dict:
     """Each peer in turns with kernel calls, so each ratio compares the same minutes of a host whose
-    read rate drifts -> {peer: one dict a cycle, {"kernel_s": the median of CYCLE_KERNEL_CALLS kernel
-    turns, "peer_s": the peer's call}}. Peer by peer, in order: an untimed call of the peer (its
+    read rate drifts -> ({peer: one dict a cycle, {"kernel_s": the median of CYCLE_KERNEL_CALLS kernel
+    turns, "peer_s": the peer's call}}, {peer skipped: why}). A peer whose call would not fit in the
+    memory left is skipped (peer_skip_reason). Peer by peer, in order: an untimed call of the peer (its
     first-call allocations), then `cycles` of: a pause, an untimed kernel turn (the pool wakes), the
     kernel turns; a pause, wake_peers(), one call of the peer. So the kernel calls beside a peer
     follow only that peer's calls: SDPA over MLA's 16 heads on one latent allocates and frees GBs a
     call, and the kernel calls and reads after it ran 1.1-2.7x slower for hundreds of milliseconds
     (2-vCPU Zen 4 guest, virtio-balloon free page reporting on), which would sit in the ratio to
     bmm+softmax too."""
-    results = {}
-    for name, call in peers.items():
+    results, skipped = {}, {}
+    for name, (call, transient_bytes) in peers.items():
+        reason = peer_skip_reason(transient_bytes)
+        if reason is not None:
+            log.warning("peer %s skipped: %s", name, reason)
+            skipped[name] = reason
+            continue
         call()
         results[name] = []
         for _ in range(cycles):
@@ -269,7 +320,7 @@ def peer_cycles(kernel_turn, peers: dict, wake_peers, cycles: int) -> dict:
             start = time.perf_counter()
             call()
             results[name].append({"kernel_s": kernel_s, "peer_s": time.perf_counter() - start})
-    return results
+    return results, skipped
 
 
 def bench_row(shape, seq_len, roofline, args, llc_bytes: int):
@@ -294,9 +345,9 @@ def bench_row(shape, seq_len, roofline, args, llc_bytes: int):
     # 2-vCPU Zen 4 guest (virtio-balloon free page reporting on): with rounds and peers in turns, MLA
     # 32K rounds took 3.9-8.9 ms and the read of the same bytes 1.2-13 ms, against 3.4 ms alone.
     rounds = [kernel_turn() for _ in range(args.repeats)]
-    cycles = {}
+    cycles, skipped_peers = {}, {}
     if peers:
-        cycles = peer_cycles(kernel_turn, peers, lambda: wake_torch(q, k, v, scale), args.peer_repeats)
+        cycles, skipped_peers = peer_cycles(kernel_turn, peers, lambda: wake_torch(q, k, v, scale), args.peer_repeats)
     del sources, peers
     nbytes, nflops = kv_bytes(shape, seq_len), flops(shape, seq_len)
     median_kernel_s = statistics.median(r["kernel_s"] for r in rounds)
@@ -315,6 +366,7 @@ def bench_row(shape, seq_len, roofline, args, llc_bytes: int):
         "in_core_ms": None if in_core is None else statistics.median(r["in_core_s"] for r in rounds) * 1e3,
         "rounds": rounds,
         "peer_cycles": cycles,
+        "peers_skipped": skipped_peers,
         **{f"{name}_ms": statistics.median(c["peer_s"] for c in runs) * 1e3 for name, runs in cycles.items()},
         # each cycle's peer time over the kernel's in the same cycle, the median over the cycles
         **{f"speedup_vs_{name}": statistics.median(c["peer_s"] / c["kernel_s"] for c in runs)
@@ -464,8 +516,9 @@ def markdown_table(result: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        ratios = [f"{r[k]:.1f}x" if k in r else "-" for k in
-                  ("speedup_vs_sdpa_bf16", "speedup_vs_sdpa_fp32", "speedup_vs_bmm_softmax_bf16")]
+        ratios = [f"{r[f'speedup_vs_{peer}']:.1f}x" if f"speedup_vs_{peer}" in r
+                  else "skipped (memory)" if peer in r.get("peers_skipped", {}) else "-"
+                  for peer in ("sdpa_bf16", "sdpa_fp32", "bmm_softmax_bf16")]
         lines.append(
             f"| {r['shape']} | {r['seq_len'] // 1024}K | {r['instructions']} "
             f"| {r['kernel_own_ms']:.2f} / {r['kernel_ms']:.2f} | {_two_places(r.get('in_core_ms'))} "

@@ -136,7 +136,7 @@ def test_the_bf16_peers_share_one_rotation_over_their_copies(monkeypatch):
     q, k, v = bench.make_inputs(shape, 64)
     peers = bench.peer_calls(shape, q, k, v, 0.1, num_copies=3)
     for _ in range(3):
-        for call in peers.values():
+        for call, _ in peers.values():
             call()
     bf16 = [ptr for _, dtype, ptr in read if dtype == torch.bfloat16]
     fp32 = [ptr for _, dtype, ptr in read if dtype == torch.float32]
@@ -154,8 +154,8 @@ def test_each_peer_takes_turns_with_the_kernel_in_its_own_cycles(monkeypatch):
         log.append("kernel")
         return {"kernel_s": next(seconds)}
 
-    peers = {"a": lambda: log.append("a"), "b": lambda: log.append("b")}
-    cycles = bench.peer_cycles(kernel_turn, peers, lambda: log.append("wake"), cycles=2)
+    peers = {"a": (lambda: log.append("a"), 0), "b": (lambda: log.append("b"), 0)}
+    cycles, skipped = bench.peer_cycles(kernel_turn, peers, lambda: log.append("wake"), cycles=2)
     # per peer: its untimed first call, then cycles of an untimed kernel turn, CYCLE_KERNEL_CALLS
     # timed ones (their median), the wake-up call and one call of the peer
     assert bench.CYCLE_KERNEL_CALLS == 3
@@ -164,6 +164,27 @@ def test_each_peer_takes_turns_with_the_kernel_in_its_own_cycles(monkeypatch):
     assert list(cycles) == ["a", "b"]
     assert [c["kernel_s"] for c in cycles["a"]] == [2, 5] and [c["kernel_s"] for c in cycles["b"]] == [2, 5]
     assert all(set(c) == {"kernel_s", "peer_s"} and c["peer_s"] >= 0 for runs in cycles.values() for c in runs)
+    assert skipped == {}
+
+
+def test_a_peer_whose_call_would_not_fit_in_memory_is_skipped_not_called(monkeypatch):
+    monkeypatch.setattr(bench, "SETTLE_S", 0.0)
+    available = bench.available_memory_bytes()
+    assert available is not None and available > 0  # Linux: /proc/meminfo
+    called = []
+    peers = {"fits": (lambda: called.append("fits"), 1 << 20),
+             "too_big": (lambda: called.append("too_big"), 2 * available)}
+    cycles, skipped = bench.peer_cycles(lambda: {"kernel_s": 1.0}, peers, lambda: None, cycles=1)
+    assert called == ["fits", "fits"] and list(cycles) == ["fits"]
+    assert list(skipped) == ["too_big"] and "GiB available" in skipped["too_big"]
+
+
+def test_sdpa_over_grouped_heads_is_estimated_at_its_repeated_float32_kv():
+    mla = next(s for s in bench.SHAPES if s.v_in_k)
+    mha = next(s for s in bench.SHAPES if s.num_q_heads == s.num_kv_heads)
+    # measured: 13.0-13.5 GB a call at MLA 128K
+    assert 12e9 < bench.sdpa_transient_bytes(mla, 131072) < 15e9
+    assert bench.sdpa_transient_bytes(mha, 131072) == 0
 
 
 def test_rows_with_peers_take_the_ratio_within_each_cycle(tmp_path):
@@ -172,7 +193,7 @@ def test_rows_with_peers_take_the_ratio_within_each_cycle(tmp_path):
                 "--peer-repeats", "2", "--warmup", "0", "--read-bytes", str(1 << 20), "--out", str(out)])
     for row in json.loads(out.read_text())["rows"]:
         assert len(row["rounds"]) == 4
-        assert list(row["peer_cycles"]) == ["bmm_softmax_bf16", "sdpa_bf16", "sdpa_fp32"]
+        assert list(row["peer_cycles"]) == ["bmm_softmax_bf16", "sdpa_bf16", "sdpa_fp32"] and row["peers_skipped"] == {}
         for name, cycles in row["peer_cycles"].items():
             assert len(cycles) == 2
             assert row[f"{name}_ms"] == pytest.approx(statistics.median(c["peer_s"] for c in cycles) * 1e3)
