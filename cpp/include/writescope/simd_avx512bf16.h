@@ -134,6 +134,38 @@ struct Avx512AmxSimd : Avx512Bf16Simd {
                       (C < 4 && (((B == 6 || B == 7) && (A == 4 || A == 5)) || ((A == 6 || A == 7) && (B == 4 || B == 5)))),
                   "add the tile combination to tile_dot");
   }
+  // A 16 x 16 transpose of 32-bit values: out[j * out_stride + i] = in[i * in_stride + j] (times
+  // `scale` where kScale; otherwise the bits move untouched). Unpacks of row pairs, then of the
+  // pairs' 64-bit halves, leave column 4 l + j of rows 4 i .. 4 i + 3 in 128-bit lane l of
+  // r[4 i + j]; a 4 x 4 transpose of those lanes puts each column together.
+  template <bool kScale>
+  static void transpose_16x16(const float* in, int64_t in_stride, float* out, int64_t out_stride, float scale = 1.0f) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * in_stride);
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      const __m512d lo0 = _mm512_castps_pd(t[4 * i]), lo1 = _mm512_castps_pd(t[4 * i + 2]);
+      const __m512d hi0 = _mm512_castps_pd(t[4 * i + 1]), hi1 = _mm512_castps_pd(t[4 * i + 3]);
+      r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo0, lo1));
+      r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo0, lo1));
+      r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi0, hi1));
+      r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi0, hi1));
+    }
+    const __m512 factor = _mm512_set1_ps(scale);
+    auto put = [&](int64_t row, __m512 x) { _mm512_storeu_ps(out + row * out_stride, kScale ? _mm512_mul_ps(x, factor) : x); };
+    for (int j = 0; j < 4; ++j) {
+      const __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+      const __m512 u2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
+      const __m512 u3 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+      put(j, _mm512_shuffle_f32x4(u0, u2, 0x88));
+      put(4 + j, _mm512_shuffle_f32x4(u1, u3, 0x88));
+      put(8 + j, _mm512_shuffle_f32x4(u0, u2, 0xdd));
+      put(12 + j, _mm512_shuffle_f32x4(u1, u3, 0xdd));
+    }
+  }
   // 16 floats -> bf16 (nearest even) as the low half of 32-bit words (`even`: the first of each
   // element pair of a tile operand row) and as their high half (`odd`), the other half zero.
   static void bf16_words(const float* x, uint32_t* even, uint32_t* odd) {
