@@ -852,24 +852,32 @@ struct ItemKernel {
     if (ahead == 0 && !amx) ahead = next_item_rows(item.next, v_in_k);  // AMX: not measured (no host)
     prefetch.reset(ahead);
     touch_blocks(item, end, end + kTileTokens < item.token_end ? end + kTileTokens : item.token_end, v_in_k);
-    for (int64_t t = 0; begin + t < end; ++t) {
+    const int64_t k_token_stride = a.k_token_stride, v_token_stride = a.v_token_stride;
+    const T** k_out = k_rows;
+    const T** v_out = v_rows;
+    const char** ahead_out = ahead_rows;
+    // A block at a time, its rows by adding the token stride: one table read and no per-token tests
+    // of the block's end (per token, with a's fields reloaded after every pointer store, the walk was
+    // ~6% of an MLA call in L2 on a 2-vCPU Xeon). Measured there, interleaved: MLA on amx 1.03-1.05x at
+    // 1K in L2 (one thread), 1.01-1.02x at 8K from DRAM; on avx512 1.03x, avx2 1.01x at 8K.
+    for (int64_t t = 0; begin + t < end; ++block, offset = 0) {
       const int64_t physical = table[block];
-      const T* k_row = k_base + physical * a.k_block_stride + offset * a.k_token_stride;
-      const T* v_row = v_base + physical * a.v_block_stride + offset * a.v_token_stride;
-      if (t >= count) {
-        ahead_rows[2 * (t - count)] = reinterpret_cast<const char*>(k_row);
-        ahead_rows[2 * (t - count) + 1] = v_in_k ? nullptr : reinterpret_cast<const char*>(v_row);
-      } else {
-        k_rows[t] = k_row;
-        v_rows[t] = v_row;
-        if (first_tile) {
-          prefetch_row<3>(k_row, dim_qk);
-          if (!v_in_k) prefetch_row<3>(v_row, dim_v);  // MLA: V's lines are K's
-        }
+      const T* k_row = k_base + physical * a.k_block_stride + offset * k_token_stride;
+      const T* v_row = v_base + physical * a.v_block_stride + offset * v_token_stride;
+      const int64_t run_end = t + (a.block_size - offset) < end - begin ? t + (a.block_size - offset) : end - begin;
+      for (; t < run_end && t < count; ++t, k_row += k_token_stride, v_row += v_token_stride) {
+        k_out[t] = k_row;
+        v_out[t] = v_row;
       }
-      if (++offset == a.block_size) {
-        offset = 0;
-        ++block;
+      for (; t < run_end; ++t, k_row += k_token_stride, v_row += v_token_stride) {
+        ahead_out[2 * (t - count)] = reinterpret_cast<const char*>(k_row);
+        ahead_out[2 * (t - count) + 1] = v_in_k ? nullptr : reinterpret_cast<const char*>(v_row);
+      }
+    }
+    if (first_tile) {
+      for (int64_t t = 0; t < count; ++t) {
+        prefetch_row<3>(k_out[t], dim_qk);
+        if (!v_in_k) prefetch_row<3>(v_out[t], dim_v);  // MLA: V's lines are K's
       }
     }
   }
