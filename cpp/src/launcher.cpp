@@ -280,11 +280,15 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
-int64_t default_chunk_tokens(const int32_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads) {
+int64_t default_chunk_tokens(const int32_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads,
+                             int64_t output_bytes, int64_t kv_token_bytes) {
   int64_t token_heads = 0;
   for (int64_t s = 0; s < num_seqs; ++s) token_heads += static_cast<int64_t>(seq_lens[s]) * num_kv_heads;
+  int64_t floor = kMinChunkTokens;
+  const int64_t output_tokens = (kOutputShare * output_bytes + kv_token_bytes - 1) / kv_token_bytes;
+  while (floor < output_tokens && floor < kMaxChunkTokens) floor *= 2;
   const int64_t chunk = (token_heads + kTargetItems - 1) / kTargetItems;
-  return chunk < kMinChunkTokens ? kMinChunkTokens : chunk > kMaxChunkTokens ? kMaxChunkTokens : chunk;
+  return chunk < floor ? floor : chunk > kMaxChunkTokens ? kMaxChunkTokens : chunk;
 }
 
 double paged_attention(const py::array& q, const py::array& k_cache, const py::array& v_cache,
@@ -297,9 +301,15 @@ double paged_attention(const py::array& q, const py::array& k_cache, const py::a
   IndexCopies copies;
   job.args = check_attention_args(q, k_cache, v_cache, block_table, seq_lens, out, lse, q_dtype, kv_dtype, layout,
                                   scale, copies);
-  int64_t chunk_tokens = requested_chunk_tokens ? *requested_chunk_tokens
-                                                : default_chunk_tokens(job.args.seq_lens, job.args.num_seqs,
-                                                                       job.args.num_kv_heads);
+  const PagedAttentionArgs& a = job.args;
+  const int64_t element_bytes = a.kv_dtype == DType::kFloat32 ? 4 : 2;
+  const bool v_in_k = a.v == a.k && a.v_head_stride == a.k_head_stride && a.v_block_stride == a.k_block_stride &&
+                      a.v_token_stride == a.k_token_stride;
+  const int64_t kv_token_bytes = (a.head_dim_qk + (v_in_k ? 0 : a.head_dim_v)) * element_bytes;
+  const int64_t output_bytes = a.num_q_heads / a.num_kv_heads * a.head_dim_v * 4;
+  int64_t chunk_tokens = requested_chunk_tokens
+                             ? *requested_chunk_tokens
+                             : default_chunk_tokens(a.seq_lens, a.num_seqs, a.num_kv_heads, output_bytes, kv_token_bytes);
   // The paired kernel's items start on block boundaries: chunks are whole blocks.
   if (job.args.layout == KvLayout::kPaired) {
     const int64_t bs = job.args.block_size;

@@ -175,6 +175,16 @@ def _mla_inputs(seq_len):
     return q, k, k[..., :512]
 
 
+def test_mla_items_hold_64_times_the_tokens_whose_latent_matches_their_output():
+    # an item's output is 16 heads x 512 float32 = 32 KB against 1152 bytes of latent a token:
+    # 64 x 32768 / 1152 -> 1821 tokens, a power of two up -> 2048, where tokens / 64 gives 512 at 8K
+    q, k, v = _mla_inputs(8192)
+    out, lse = _one_block_call(q, k, v)
+    at_2048 = _one_block_call(q, k, v, chunk_tokens=2048)
+    assert torch.equal(out, at_2048[0]) and torch.equal(lse, at_2048[1])
+    assert not torch.equal(out, _one_block_call(q, k, v, chunk_tokens=512)[0])
+
+
 @pytest.mark.parametrize("inputs", [lambda: make_inputs(**{**BASE, "seq_len": 4099}), lambda: _mla_inputs(4099)],
                          ids=["gqa", "mla"])
 def test_result_is_identical_for_any_thread_count(inputs):
