@@ -303,8 +303,7 @@ double paged_attention(const py::array& q, const py::array& k_cache, const py::a
                                   scale, copies);
   const PagedAttentionArgs& a = job.args;
   const int64_t element_bytes = a.kv_dtype == DType::kFloat32 ? 4 : 2;
-  const bool v_in_k = a.v == a.k && a.v_head_stride == a.k_head_stride && a.v_block_stride == a.k_block_stride &&
-                      a.v_token_stride == a.k_token_stride;
+  const bool v_in_k = value_inside_key(a);
   const int64_t kv_token_bytes = (a.head_dim_qk + (v_in_k ? 0 : a.head_dim_v)) * element_bytes;
   const int64_t output_bytes = a.num_q_heads / a.num_kv_heads * a.head_dim_v * 4;
   int64_t chunk_tokens = requested_chunk_tokens

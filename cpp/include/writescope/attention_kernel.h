@@ -844,8 +844,7 @@ struct ItemKernel {
     const T* v_base = static_cast<const T*>(a.v) + item.kv_head * a.v_head_stride;
     const bool first_tile = begin == item.token_begin;
     const int64_t end = begin + count + kTileTokens < item.token_end ? begin + count + kTileTokens : item.token_end;
-    const bool v_in_k = a.v == a.k && a.v_head_stride == a.k_head_stride && a.v_block_stride == a.k_block_stride &&
-                        a.v_token_stride == a.k_token_stride;
+    const bool v_in_k = value_inside_key(a);
     prefetch.finish();
     if (prefetch.steps == 0 && !amx) prefetch.steps = lane_heads ? lane_steps(count) : vector_steps(count);
     prefetch.rows = ahead_rows;

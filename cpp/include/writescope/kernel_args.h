@@ -68,6 +68,12 @@ struct Workspace {
   int64_t bytes;
 };
 
+// V read from inside K's rows (MLA: V a prefix of the latent): its lines are K's, read once.
+inline bool value_inside_key(const PagedAttentionArgs& a) {
+  return a.v == a.k && a.v_head_stride == a.k_head_stride && a.v_block_stride == a.k_block_stride &&
+         a.v_token_stride == a.k_token_stride;
+}
+
 constexpr int64_t kTileTokens = 64;  // tokens per online-softmax step inside a work item
 
 // The paired kernel's tile is whole blocks: as many as make kTileTokens, at least one.
