@@ -291,7 +291,7 @@ def wake_torch(q, k, v, scale):
     bmm_softmax(q, k[:, :64].contiguous(), v[:, :64].contiguous(), scale)
 
 
-def peer_cycles(kernel_turn, peers: dict, wake_peers, cycles: int) -> dict:
+def peer_cycles(kernel_turn, peers: dict, wake_peers, cycles: int) -> tuple[dict, dict]:
     """Each peer in turns with kernel calls, so each ratio compares the same minutes of a host whose
     read rate drifts -> ({peer: one dict a cycle, {"kernel_s": the median of CYCLE_KERNEL_CALLS kernel
     turns, "peer_s": the peer's call}}, {peer skipped: why}). A peer whose call would not fit in the
