@@ -7,6 +7,7 @@
 #include "dense.h"
 #include "launcher.h"
 #include "runtime.h"
+#include "writescope/line_prefetcher.h"
 #include "writescope/pacing.h"
 
 namespace py = pybind11;
@@ -136,6 +137,33 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("cost_per_level"), py::arg("items"),
       "The levels the pacing search runs `items` items at, each item at level l costing cost_per_level[l] "
       "seconds per token: the controller the kernel uses, on a given cost curve.");
+  m.def(
+      "simulate_prefetch",
+      [](int64_t blocks, int64_t previous_steps, int64_t steps) {
+        if (blocks < 1 || blocks > 64) throw py::value_error("blocks must be in [1, 64], got " + std::to_string(blocks));
+        if (previous_steps < 0) throw py::value_error("previous_steps must be >= 0, got " + std::to_string(previous_steps));
+        if (steps < 0 || steps > 1000000) throw py::value_error("steps must be in [0, 1000000], got " + std::to_string(steps));
+        constexpr int64_t kBlockBytes = 4096;  // a 16-token block of one head's K (or V), 128 bf16 dims
+        std::vector<char> tile(static_cast<size_t>(2 * blocks * kBlockBytes));
+        std::vector<const char*> ranges(static_cast<size_t>(2 * blocks));
+        for (int64_t r = 0; r < 2 * blocks; ++r) ranges[r] = tile.data() + r * kBlockBytes;
+        LinePrefetcher prefetcher;
+        prefetcher.ranges = ranges.data();
+        prefetcher.k_bytes = prefetcher.v_bytes = kBlockBytes;
+        prefetcher.steps = previous_steps;
+        prefetcher.reset(2 * blocks * kBlockBytes / 64, 2 * blocks);
+        std::vector<int64_t> asked;  // lines asked for after each step
+        for (int64_t i = 0; i < steps; ++i) {
+          prefetcher.step();
+          const int64_t r = prefetcher.range;
+          asked.push_back(r >= prefetcher.num_ranges ? 2 * blocks * kBlockBytes / 64
+                                                     : r * (kBlockBytes / 64) + (prefetcher.line - ranges[r]) / 64);
+        }
+        return asked;
+      },
+      py::arg("blocks"), py::arg("previous_steps"), py::arg("steps"),
+      "The paired kernel's line prefetcher over a tile of `blocks` 4 KB K and V blocks, paced by a previous tile "
+      "of `previous_steps` steps (0: none): the lines it has asked for after each of `steps` steps.");
   m.def("rounds_probabilities", [] { return rounds_probabilities(runtime()); },
         "Whether the kernels may round the probabilities of bf16 q and KV to bf16 before PV: the bf16 dot "
         "path (uses_bf16_dot) and the AMX tile products do, as the GPU kernel's tensor-core dot does.");

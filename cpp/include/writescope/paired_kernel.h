@@ -26,19 +26,11 @@
 
 #include "writescope/attention_kernel.h"
 #include "writescope/kernel_args.h"
+#include "writescope/line_prefetcher.h"
 #include "writescope/pacing.h"
 
 namespace writescope {
 namespace {
-
-// One link of the pacing chain: a multiply the compiler keeps and cannot overlap with the last.
-WS_INLINE void hold(int64_t& chain) {
-#if defined(__x86_64__)
-  asm volatile("imul $3, %0, %0" : "+r"(chain));
-#else
-  chain = *static_cast<volatile int64_t*>(&chain) * 3;
-#endif
-}
 
 // What a thread keeps of a shape between work items: its pace controller (pacing.h), and the steps
 // a whole tile took, which spread the prefetches of an item's second tile (the first tile of an item
@@ -134,57 +126,7 @@ struct PairedKernel {
   TokenVector* vectors;  // [tile_tokens + tile_blocks] this tile's token vectors
   int64_t kv_head = 0;
 
-  // The lines of the tile kPrefetchTiles ahead, asked for one line every `period` steps of the
-  // compute loops: spread out, the requests stay in flight while the current tile computes, where a
-  // burst of hundreds at the tile's start would fill the miss buffers and stall the compute behind
-  // it. A step costs a decrement and a branch; the line bookkeeping runs only when a line is due
-  // (measured on a 2-vCPU Zen 3: a loop over lines_per_step lines at every step kept the score loop
-  // at 0.6x its rate without prefetching). The period comes from the steps the previous tile took.
-  // Compute loops copy it into a local so its fields live in registers (a member is reloaded after
-  // every store the compiler cannot prove does not alias it).
-  struct Prefetcher {
-    const char* const* ranges = nullptr;  // K, V of each block
-    const char* line = nullptr;           // the next line to ask for, in range `range`
-    const char* range_end = nullptr;
-    int64_t k_bytes = 0, v_bytes = 0, num_ranges = 0, range = 0;
-    int64_t countdown = 1, period = 1, lines_per_fire = 1;
-    int64_t steps = 0;  // steps during the tile, to pace the next tile's lines
-    int64_t delay = 0;  // dependent multiplies a step: the loops' pace (pacing.h)
-    int64_t held = 0;   // and a fire's: delay x period
-    int64_t chain = 1;  // what they multiply
-    // The next tile's ranges are set; its total_lines are spread over as many steps as this tile took.
-    void reset(int64_t total_lines, int64_t count) {
-      const int64_t expected = steps > 0 ? steps : total_lines;
-      lines_per_fire = total_lines > expected ? (total_lines + expected - 1) / expected : 1;
-      period = total_lines > 0 ? expected * lines_per_fire / total_lines : expected + 1;
-      period = period < 1 ? 1 : period;
-      held = delay * period;
-      countdown = period;
-      num_ranges = count;
-      range = 0;
-      line = count > 0 ? ranges[0] : nullptr;
-      range_end = count > 0 ? line + k_bytes : nullptr;
-      steps = 0;
-    }
-    WS_INLINE void step() {
-      ++steps;
-      if (--countdown == 0) fire(lines_per_fire);
-    }
-    WS_INLINE void fire(int64_t lines) {
-      countdown = period;
-      for (int64_t i = 0; i < held; ++i) hold(chain);
-      for (int64_t i = 0; i < lines && range < num_ranges; ++i) {
-        __builtin_prefetch(line, 0, 2);
-        line += 64;
-        if (line >= range_end && ++range < num_ranges) {
-          line = ranges[range];
-          range_end = line + ((range & 1) ? v_bytes : k_bytes);
-        }
-      }
-    }
-    // Whatever the tile's steps left unasked, at its end.
-    void finish() { fire(int64_t{1} << 40); }
-  };
+  using Prefetcher = LinePrefetcher;
   const char* prefetch_ranges[2 * kMaxPrefetchBlocks];
   Prefetcher pf;
   int64_t whole_tile_steps = 0;  // the steps of this item's last whole tile; 0: none
