@@ -1,5 +1,9 @@
 // Binds the launcher to Python as writescope._cpu. Arguments are numpy arrays taken without
 // conversion (noconvert), so a wrong type is an error, never a silent copy.
+#include <optional>
+#include <string>
+#include <vector>
+
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -120,23 +124,27 @@ PYBIND11_MODULE(_cpu, m) {
       py::arg("on"), "Turns the paired kernel's pacing on or off for this process.");
   m.def(
       "simulate_pacing",
-      [](const std::vector<double>& cost_per_level, int64_t items) {
+      [](const std::vector<double>& cost_per_level, int64_t items, std::optional<std::vector<double>> item_factors) {
         if (static_cast<int>(cost_per_level.size()) != kPaceLevels)
           throw py::value_error("cost_per_level must hold " + std::to_string(kPaceLevels) + " costs (one per level), got " +
                                 std::to_string(cost_per_level.size()));
         if (items < 0) throw py::value_error("items must be >= 0, got " + std::to_string(items));
+        if (item_factors && static_cast<int64_t>(item_factors->size()) != items)
+          throw py::value_error("item_factors must hold one factor per item (" + std::to_string(items) + "), got " +
+                                std::to_string(item_factors->size()));
         PaceController controller;
         std::vector<int> levels;
         for (int64_t i = 0; i < items; ++i) {
           const int level = controller.choose();
           levels.push_back(level);
-          controller.record(level, cost_per_level[level]);
+          controller.record(level, cost_per_level[level] * (item_factors ? (*item_factors)[i] : 1.0));
         }
         return levels;
       },
-      py::arg("cost_per_level"), py::arg("items"),
-      "The levels the pacing search runs `items` items at, each item at level l costing cost_per_level[l] "
-      "seconds per token: the controller the kernel uses, on a given cost curve.");
+      py::arg("cost_per_level"), py::arg("items"), py::arg("item_factors") = py::none(),
+      "The levels the pacing search runs `items` items at, item i at level l costing cost_per_level[l] x "
+      "item_factors[i] seconds per token (the factors: noise, or an item's place in its call; default 1): the "
+      "controller the kernel uses, on a given cost curve.");
   m.def(
       "simulate_prefetch",
       [](int64_t blocks, int64_t previous_steps, int64_t steps) {
