@@ -11,8 +11,11 @@ from writescope import _cpu
 LINES_PER_BLOCK = 2 * 4096 // 64  # a block's K and V, 4 KB each
 
 
+MIN_LINES_PER_FIRE = 4
+
+
 def lines_per_fire(lines, expected_steps):
-    return math.ceil(lines / expected_steps) if lines > expected_steps else 1
+    return max(math.ceil(lines / expected_steps), MIN_LINES_PER_FIRE)
 
 
 @pytest.mark.parametrize("blocks, previous_steps", [
@@ -37,9 +40,10 @@ def test_the_lines_are_spread_evenly_over_the_previous_tiles_steps(blocks, previ
     assert asked == sorted(asked)
 
 
-def test_a_first_tile_with_no_previous_steps_asks_one_line_a_step():
+def test_a_first_tile_with_no_previous_steps_asks_four_lines_every_fourth_step():
     lines = 4 * LINES_PER_BLOCK
-    assert _cpu.simulate_prefetch(4, 0, lines + 3) == list(range(1, lines + 1)) + [lines] * 3
+    expected = [MIN_LINES_PER_FIRE * (step // MIN_LINES_PER_FIRE) for step in range(1, lines + 1)]
+    assert _cpu.simulate_prefetch(4, 0, lines + 3) == expected + [lines] * 3
 
 
 @pytest.mark.parametrize("blocks, previous_steps, steps, message", [
