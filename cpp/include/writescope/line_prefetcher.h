@@ -25,9 +25,9 @@ WS_INLINE void hold(int64_t& chain) {
 // The lines of the paired kernel's tile kPrefetchTiles ahead, asked for lines_per_fire at a time
 // every `period` steps of the compute loops: spread out, the requests stay in flight while the
 // current tile computes, where a burst of hundreds at the tile's start would fill the miss buffers
-// and stall the compute behind it. A step costs a decrement and a branch; the line bookkeeping runs only when a
-// line is due (measured on a 2-vCPU Zen 3: a loop over lines_per_step lines at every step kept the
-// score loop at 0.6x its rate without prefetching). The lines are spread over as many steps as the
+// and stall the compute behind it. A step costs a decrement and a branch; the line bookkeeping runs
+// only when lines are due (measured on a 2-vCPU Zen 3: a loop over lines_per_step lines at every
+// step kept the score loop at 0.6x its rate without prefetching). The lines are spread over as many steps as the
 // previous tile took, exactly: the period alternates between the two whole numbers around the
 // exact one (a running remainder, as a line is drawn between pixels). Rounded down to one whole
 // period, 512 lines over 384 steps (Qwen3-MoE's FMA loops: 256 score steps of one line, 128 value
@@ -57,8 +57,8 @@ struct LinePrefetcher {
   // The next tile's ranges are set; its total_lines are spread over as many steps as this tile took.
   void reset(int64_t total_lines, int64_t count) {
     const int64_t expected = steps > 0 ? steps : total_lines;
-    lines_per_fire = total_lines > expected ? (total_lines + expected - 1) / expected : 1;
-    lines_per_fire = lines_per_fire < kMinLinesPerFire ? kMinLinesPerFire : lines_per_fire;
+    const int64_t per_step = expected > 0 ? (total_lines + expected - 1) / expected : 1;
+    lines_per_fire = per_step > kMinLinesPerFire ? per_step : kMinLinesPerFire;
     const int64_t fire_steps = expected * lines_per_fire;  // >= total_lines: a period is at least 1
     tile_lines = total_lines;
     whole_period = total_lines > 0 ? fire_steps / total_lines : fire_steps + 1;  // none: no fire in the tile

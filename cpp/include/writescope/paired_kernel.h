@@ -126,9 +126,8 @@ struct PairedKernel {
   TokenVector* vectors;  // [tile_tokens + tile_blocks] this tile's token vectors
   int64_t kv_head = 0;
 
-  using Prefetcher = LinePrefetcher;
   const char* prefetch_ranges[2 * kMaxPrefetchBlocks];
-  Prefetcher pf;
+  LinePrefetcher pf;
   int64_t whole_tile_steps = 0;  // the steps of this item's last whole tile; 0: none
 
   PairedKernel(const PagedAttentionArgs& args, Workspace ws)
@@ -231,7 +230,7 @@ struct PairedKernel {
       if constexpr (N > 1) S::template tile_zero<1>();
       if constexpr (N > 2) S::template tile_zero<2>();
       if constexpr (N > 3) S::template tile_zero<3>();
-      Prefetcher prefetch = pf;
+      LinePrefetcher prefetch = pf;
       const uint16_t* q_row = q_hi + g0 * dim_qk;
       if (q_has_low) {
         for (int64_t c = 0; c < dim_qk; c += 32) {
@@ -266,7 +265,7 @@ struct PairedKernel {
   // Accumulators 0..N-1 += q chunk (tile A; kLow: its low part in tile 5 too) x the K chunk at
   // k[u] + at of each group u.
   template <int N, int A, bool kLow>
-  WS_INLINE void amx_score_chunk(Prefetcher& prefetch, const T* const* k, int64_t at, int64_t k_stride_bytes) {
+  WS_INLINE void amx_score_chunk(LinePrefetcher& prefetch, const T* const* k, int64_t at, int64_t k_stride_bytes) {
     if constexpr (S::kAmx) {
       amx_score_product<0, A, kLow>(prefetch, k[0] + at, k_stride_bytes);
       if constexpr (N > 1) amx_score_product<1, A, kLow>(prefetch, k[1] + at, k_stride_bytes);
@@ -275,7 +274,7 @@ struct PairedKernel {
     }
   }
   template <int C, int A, bool kLow>
-  WS_INLINE void amx_score_product(Prefetcher& prefetch, const void* b, int64_t stride_bytes) {
+  WS_INLINE void amx_score_product(LinePrefetcher& prefetch, const void* b, int64_t stride_bytes) {
     if constexpr (S::kAmx) {
       constexpr int B = 6 + (C & 1);
       prefetch.step();
@@ -338,7 +337,7 @@ struct PairedKernel {
       const int64_t per_block = block_size / 16;
       for (int64_t g0 = 0; g0 < group; g0 += 16) {
         const int64_t rows = group - g0 < 16 ? group - g0 : 16;
-        Prefetcher prefetch = pf;
+        LinePrefetcher prefetch = pf;
         // 16-token group k is tokens [16 k, 16 k + 16) of the tile: block k / per_block, its token
         // pairs from 8 (k % per_block); 64 dims from d0 are 4 B operands 32 elements apart
         tiles.values(acc + g0 * dim_v, dim_v, rows, p_hi + g0 * stride, p_has_low ? p_lo + g0 * stride : nullptr, stride,
@@ -375,7 +374,7 @@ struct PairedKernel {
       const int64_t groups = blocks * block_size / 32;
       const int64_t out_stride = dim_v * 4, v_stride = dim_v * 4;
       float* out = acc + g0 * dim_v;
-      Prefetcher prefetch = pf;
+      LinePrefetcher prefetch = pf;
       for (int64_t d0 = 0; d0 < dim_v; d0 += 64) {
         const int64_t n = (dim_v - d0) / 16 < 4 ? (dim_v - d0) / 16 : 4;
         tiles.load_accumulators(out + d0, out_stride, n);
@@ -396,7 +395,7 @@ struct PairedKernel {
   // Accumulators C and, for count > 1, C + 1 += P x the V tiles of 16 dims at v and v + 32 (B tiles 6
   // and 7); an accumulator's products of P's two parts apart, so neither waits on the other's result.
   template <int C>
-  WS_INLINE void value_products(Prefetcher& prefetch, const T* v, int64_t v_stride, int64_t count) {
+  WS_INLINE void value_products(LinePrefetcher& prefetch, const T* v, int64_t v_stride, int64_t count) {
     if constexpr (S::kAmx) {
       prefetch.step();
       S::template tile_load<6>(v, v_stride);
@@ -626,7 +625,7 @@ struct PairedKernel {
     const float* q = q32 + g0 * dim_qk;  // pair-major over the chunk's GT heads
     constexpr int64_t q_stride = 2 * GT;
     const T* k = tv[0].k;
-    Prefetcher prefetch = pf;
+    LinePrefetcher prefetch = pf;
     for (int64_t p = 0; p < pairs; ++p, q += q_stride, k += pair_stride) {
       prefetch.step();
       V even[TV], odd[TV];
@@ -676,7 +675,7 @@ struct PairedKernel {
       const int64_t pairs = dim_qk / 2;
       const int64_t pair_stride = block_size * 2;
       const uint32_t* q = q_pairs + g0 * pairs;  // pair p's head gi at q[p * GT + gi]
-      Prefetcher prefetch = pf;
+      LinePrefetcher prefetch = pf;
       const auto pair_step = [&](int64_t p, V* sums) __attribute__((always_inline)) {
         prefetch.step();
         typename S::Raw k[TV];
@@ -793,7 +792,7 @@ struct PairedKernel {
       WS_UNROLL
       for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::load(acc + (g0 + gi) * dim_v + d0 + vi * W);
     const int64_t pair_stride = dim_v * 2;
-    Prefetcher prefetch = pf;
+    LinePrefetcher prefetch = pf;
     for (int64_t j = 0; j < blocks; ++j) {
       const int64_t valid = count - j * block_size < block_size ? count - j * block_size : block_size;
       const T* v = v_blocks[j] + d0 * 2;
@@ -915,7 +914,7 @@ struct PairedKernel {
         WS_UNROLL
         for (int vi = 0; vi < NV; ++vi) sum[gi][vi] = S::load(acc + (g0 + gi) * dim_v + d0 + vi * W);
       const int64_t pair_stride = dim_v * 2;
-      Prefetcher prefetch = pf;
+      LinePrefetcher prefetch = pf;
       for (int64_t j = 0; j < blocks; ++j) {
         const int64_t valid = count - j * block_size < block_size ? count - j * block_size : block_size;
         const T* v = v_blocks[j] + d0 * 2;
