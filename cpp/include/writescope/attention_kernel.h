@@ -403,6 +403,7 @@ struct ItemKernel {
   bool amx_words = false;
   uint32_t* p_even = nullptr;  // [group, kTileTokens]: bf16 P in the low half of each word
   uint32_t* p_odd = nullptr;   // and in the high half
+  bool amx_lanes = false;      // amx_words with one vector of heads (MLA's 16): amx_lane_softmax
   const char** ahead_rows = nullptr;  // [2 * kTileTokens]: the next tile's K and V rows
   RowPrefetcher prefetch;
   AmxTiles<S> tiles;
@@ -478,8 +479,8 @@ struct ItemKernel {
       if (group == 16 && a.q_head_stride % 2 == 0) {  // 16 x 16 blocks of pairs in registers (~4% of MLA in L2)
         const auto* rows = reinterpret_cast<const float*>(first);  // each pair's 32 bits, moved untouched
         for (; vector_pairs + 16 <= pairs; vector_pairs += 16)
-          S::template transpose_16x16<false>(rows + vector_pairs, a.q_head_stride / 2,
-                                             reinterpret_cast<float*>(to + vector_pairs * 16), 16);
+          S::transpose_16x16(rows + vector_pairs, a.q_head_stride / 2, reinterpret_cast<float*>(to + vector_pairs * 16),
+                             16);
       }
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -534,31 +535,85 @@ struct ItemKernel {
     }
   }
 
-  // Scores of the tile's 16-token groups, transposed, four at a time (accumulators 0-3): each q^T
-  // chunk loaded serves the four (chunks in tiles 4 and 5 in turn, K in 6 and 7), then scaled into
+  // Scores of the tile's 16-token groups (8 to 15 heads; 16 take amx_lane_softmax), scaled into
   // scores [group, kTileTokens].
   void amx_scores_words(int64_t count) {
     if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {
-      tiles.configure_latent_scores4(group);
-      const int64_t groups = (count + 15) / 16;
-      switch (groups) {
-        case 1: amx_latent_groups<1>(); break;
-        case 2: amx_latent_groups<2>(); break;
-        case 3: amx_latent_groups<3>(); break;
-        default: amx_latent_groups<4>(); break;
-      }
-      // MLA's 16 heads: 16 x 16 blocks in registers. The scalar loop was ~9% of an MLA call in L2 and
-      // q's scalar transpose ~4%; measured on a 2-vCPU Xeon (AMX), both against the scalar loops,
-      // interleaved: MLA 1.04-1.06x at 1K in L2 (one thread), 1.06x at 8K and 1.03-1.04x at 32K from DRAM.
-      if (group == 16) {
-        for (int64_t t = 0; t < groups * 16; t += 16)
-          S::template transpose_16x16<true>(transposed + t * 16, 16, scores + t, kTileTokens, a.scale);
-        return;
-      }
+      const int64_t groups = amx_latent_tiles(count);
       for (int64_t g = 0; g < group; ++g) {
         float* row = scores + g * kTileTokens;
         for (int64_t t = 0; t < groups * 16; ++t) row[t] = transposed[t * group + g] * a.scale;
       }
+    }
+  }
+
+  // The tile's scores, transposed and unscaled, into `transposed` [16 x groups tokens, group], four
+  // 16-token groups at a time (accumulators 0-3): each q^T chunk loaded serves the four (chunks in
+  // tiles 4 and 5 in turn, K in 6 and 7). Returns the groups.
+  int64_t amx_latent_tiles(int64_t count) {
+    tiles.configure_latent_scores4(group);
+    const int64_t groups = (count + 15) / 16;
+    switch (groups) {
+      case 1: amx_latent_groups<1>(); break;
+      case 2: amx_latent_groups<2>(); break;
+      case 3: amx_latent_groups<3>(); break;
+      default: amx_latent_groups<4>(); break;
+    }
+    return groups;
+  }
+
+  // The softmax of a tile on the tiles with 16 heads (MLA), heads in lanes: the transposed scores
+  // are one vector a token, so the max and the sum run down the tokens (no horizontal reduction),
+  // and the probabilities, rounded to bf16 in lanes, reach P's words (p_even, p_odd) through one
+  // transpose. Before, the scores were transposed and scaled into rows (16 x 16 blocks in registers),
+  // then a pass took each row's max, one its exps and one its words. Measured on a 2-vCPU Xeon (AMX),
+  // MLA, interleaved against that (with the dims' order below): 1.06x at 8K in L3 (one thread), 1.07x
+  // at 8K and 1.03x at 32K from DRAM (2 threads).
+  void amx_lane_softmax(int64_t count, float* acc) {
+    if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {
+      static_assert(W == 16, "one vector holds the 16 heads");
+      const int64_t padded = (count + 15) / 16 * 16;
+      const V scale = S::set1(a.scale);
+      V m0 = S::set1(kNegInf), m1 = m0;
+      int64_t t = 0;
+      for (; t + 2 <= count; t += 2) {
+        m0 = S::max(m0, S::load(transposed + t * 16));
+        m1 = S::max(m1, S::load(transposed + (t + 1) * 16));
+      }
+      if (t < count) m0 = S::max(m0, S::load(transposed + t * 16));
+      // scale > 0 and rounding is monotonic: the max of the scaled scores is the scaled max
+      const V tile_max = S::mul(S::max(m0, m1), scale);
+      const V old_max = S::load(row_max);
+      // -inf + slack stays -inf: the first tile with a finite score moves the max
+      const auto moved = S::greater_lanes(tile_max, S::add(old_max, S::set1(kRescaleSlack)));
+      const V new_max = moved ? S::take_lanes(moved, tile_max, old_max) : old_max;
+      V sum = S::zero();
+      for (t = 0; t < count; ++t) {
+        const V p = S::exp(S::sub(S::mul(S::load(transposed + t * 16), scale), new_max));
+        sum = S::add(sum, p);
+        S::store(transposed + t * 16, S::bf16_high_words(p));
+      }
+      for (; t < padded; ++t) S::store(transposed + t * 16, S::zero());  // the last group's tokens past count
+      if (moved) rescale_lanes(moved, old_max, new_max, acc);
+      S::store(row_sum, S::add(S::load(row_sum), sum));
+      S::store(row_max, new_max);
+      for (t = 0; t < padded; t += 16)
+        S::transpose_16x16_words(reinterpret_cast<const uint32_t*>(transposed + t * 16), p_odd + t, p_even + t,
+                                 kTileTokens);
+    }
+  }
+
+  // The heads whose max moved: their running sums and output rows times exp(old max - new max).
+  void rescale_lanes(uint32_t moved, V old_max, V new_max, float* acc) {
+    alignas(64) float before[W], after[W];
+    S::store(before, old_max);
+    S::store(after, new_max);
+    for (int64_t g = 0; g < group; ++g) {
+      if (!(moved >> g & 1) || before[g] == kNegInf) continue;  // before the first tile: no output yet
+      const float alpha = std::exp(before[g] - after[g]);
+      row_sum[g] *= alpha;
+      const V factor = S::set1(alpha);
+      for (int64_t d = 0; d < dim_v; d += W) S::store(acc + g * dim_v + d, S::mul(factor, S::load(acc + g * dim_v + d)));
     }
   }
 
@@ -573,16 +628,19 @@ struct ItemKernel {
       if constexpr (N > 2) S::template tile_zero<2>();
       if constexpr (N > 3) S::template tile_zero<3>();
       RowPrefetcher local = prefetch;
-      int64_t c = 0;
-      for (; c + 64 <= dim_qk; c += 64) {
+      // The dims from the last down: PV's first V tiles (dims 0, 32, ...) are then the K tiles loaded
+      // last, still in L1 (a tile's 72 KB of latent is more than L1 holds).
+      int64_t c = dim_qk;
+      if (c % 64 != 0) {
+        c -= 32;
         S::template tile_load<4>(qt_hi + c * group, qt_stride_bytes);
         latent_chunk<N, 4>(local, c, k_stride_bytes);
-        S::template tile_load<5>(qt_hi + (c + 32) * group, qt_stride_bytes);
-        latent_chunk<N, 5>(local, c + 32, k_stride_bytes);
       }
-      if (c < dim_qk) {
-        S::template tile_load<4>(qt_hi + c * group, qt_stride_bytes);
-        latent_chunk<N, 4>(local, c, k_stride_bytes);
+      for (; c >= 64; c -= 64) {
+        S::template tile_load<5>(qt_hi + (c - 32) * group, qt_stride_bytes);
+        latent_chunk<N, 5>(local, c - 32, k_stride_bytes);
+        S::template tile_load<4>(qt_hi + (c - 64) * group, qt_stride_bytes);
+        latent_chunk<N, 4>(local, c - 64, k_stride_bytes);
       }
       prefetch = local;
       S::template tile_store<0>(transposed, qt_stride_bytes);
@@ -618,6 +676,14 @@ struct ItemKernel {
       for (int64_t g = 0; g < group; ++g)  // zero past count: the softmax's padding to 16
         for (int64_t t = 0; t < groups * 16; t += 16)
           S::bf16_words(scores + g * kTileTokens + t, p_even + g * kTileTokens + t, p_odd + g * kTileTokens + t);
+      amx_value_products(count, acc);
+    }
+  }
+
+  // out [group, dim_v] (split-pair order) += P x V from P's words (p_even, p_odd).
+  void amx_value_products(int64_t count, float* acc) {
+    if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {
+      const int64_t groups = (count + 15) / 16;
       const T* v_group[kTileTokens / 16];
       int64_t v_stride_bytes[kTileTokens / 16];
       for (int64_t k = 0; k < groups; ++k) v_group[k] = v_rows[16 * k], v_stride_bytes[k] = a.v_token_stride * 2;
@@ -694,6 +760,7 @@ struct ItemKernel {
     if (amx) transpose_queries(item);
     amx_words = amx && a.q_dtype == DType::kBFloat16 && a.round_probabilities;  // a bf16 q has no low part
     if (amx_words) split_v = dim_v;
+    amx_lanes = amx_words && group == W;
     for (int64_t i = 0; i < group * dim_v; ++i) item.out[i] = 0.0f;
     for (int64_t g = 0; g < group; ++g) {
       row_max[g] = kNegInf;
@@ -702,6 +769,12 @@ struct ItemKernel {
     for (int64_t begin = item.token_begin; begin < item.token_end; begin += kTileTokens) {
       const int64_t count = item.token_end - begin < kTileTokens ? item.token_end - begin : kTileTokens;
       gather_rows(item, begin, count);
+      if (amx_lanes) {
+        amx_latent_tiles(count);
+        amx_lane_softmax(count, item.out);
+        amx_value_products(count, item.out);
+        continue;
+      }
       if (amx_words) amx_scores_words(count);
       else if (amx) amx_scores(count);
       else compute_scores(count);

@@ -134,12 +134,29 @@ struct Avx512AmxSimd : Avx512Bf16Simd {
                       (C < 4 && (((B == 6 || B == 7) && (A == 4 || A == 5)) || ((A == 6 || A == 7) && (B == 4 || B == 5)))),
                   "add the tile combination to tile_dot");
   }
-  // A 16 x 16 transpose of 32-bit values: out[j * out_stride + i] = in[i * in_stride + j] (times
-  // `scale` where kScale; otherwise the bits move untouched). Unpacks of row pairs, then of the
-  // pairs' 64-bit halves, leave column 4 l + j of rows 4 i .. 4 i + 3 in 128-bit lane l of
+  // A 16 x 16 transpose of 32-bit values, the bits moved untouched: out[j * out_stride + i] =
+  // in[i * in_stride + j].
+  static void transpose_16x16(const float* in, int64_t in_stride, float* out, int64_t out_stride) {
+    transpose_16x16_to(in, in_stride, [&](int64_t row, __m512 x) { _mm512_storeu_ps(out + row * out_stride, x); });
+  }
+  // 16 x 16 words [tokens, heads] of bf16 values in their high halves (`odd`'s tile operand format)
+  // -> [heads, tokens] rows of `odd` and of `even` (the same values in the low halves).
+  static void transpose_16x16_words(const uint32_t* in, uint32_t* odd, uint32_t* even, int64_t out_stride) {
+    transpose_16x16_to(reinterpret_cast<const float*>(in), 16, [&](int64_t row, __m512 x) {
+      const __m512i words = _mm512_castps_si512(x);
+      _mm512_storeu_si512(odd + row * out_stride, words);
+      _mm512_storeu_si512(even + row * out_stride, _mm512_srli_epi32(words, 16));
+    });
+  }
+  // 16 floats -> bf16 (nearest even) in the high half of each 32-bit word, the low half zero.
+  static __m512 bf16_high_words(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(x)), 16));
+  }
+  // The transpose, each row of the result handed to put(row, values). Unpacks of row pairs, then of
+  // the pairs' 64-bit halves, leave column 4 l + j of rows 4 i .. 4 i + 3 in 128-bit lane l of
   // r[4 i + j]; a 4 x 4 transpose of those lanes puts each column together.
-  template <bool kScale>
-  static void transpose_16x16(const float* in, int64_t in_stride, float* out, int64_t out_stride, float scale = 1.0f) {
+  template <class Put>
+  static void transpose_16x16_to(const float* in, int64_t in_stride, Put put) {
     __m512 r[16], t[16];
     for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * in_stride);
     for (int i = 0; i < 8; ++i) {
@@ -154,8 +171,6 @@ struct Avx512AmxSimd : Avx512Bf16Simd {
       r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi0, hi1));
       r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi0, hi1));
     }
-    const __m512 factor = _mm512_set1_ps(scale);
-    auto put = [&](int64_t row, __m512 x) { _mm512_storeu_ps(out + row * out_stride, kScale ? _mm512_mul_ps(x, factor) : x); };
     for (int j = 0; j < 4; ++j) {
       const __m512 u0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), u1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
       const __m512 u2 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88);
