@@ -698,27 +698,72 @@ struct ItemKernel {
       }
       tiles.configure_paired(group);
       RowPrefetcher local = prefetch;
+      const int64_t chunks = dim_v / 32, half = groups / 2;
       const int64_t out_stride = dim_v * 4, p_stride = kTileTokens * 4;
-      for (int64_t d0 = 0; d0 < dim_v; d0 += 64) {
-        const bool two = d0 + 64 <= dim_v;  // dim_v % 32 == 0: one 32-dim chunk or two
-        tiles.load_accumulators(acc + d0, out_stride, two ? 4 : 2);
+      // Accumulators 0, 1 (set A) hold the even and odd dims of the even 32-dim chunks, a chunk for
+      // all the groups; 2, 3 (set B) those of the odd chunks, B's chunk a + 1 taking the groups from
+      // `half` with A's chunk a and those before `half` with A's chunk a + 2. So the two sets are
+      // stored and reloaded at different groups, and one set's products run while the other's wait
+      // for their stores and loads (with four accumulators moved together, every 64 dims waited for
+      // the products to drain). Measured on a 2-vCPU Xeon (AMX), MLA, interleaved against that: 1.02x
+      // at 2K and 8K in cache (one thread), 1.03x at 8K and 1.04x at 32K from DRAM (2 threads).
+      int64_t b_chunk = -1;  // the chunk in set B
+      S::template tile_load<0>(acc, out_stride);
+      S::template tile_load<1>(acc + 16, out_stride);
+      for (int64_t a_chunk = 0; a_chunk < chunks; a_chunk += 2) {
         for (int64_t k = 0; k < groups; ++k) {
           S::template tile_load<4>(p_even + 16 * k, p_stride);
           S::template tile_load<5>(p_odd + 16 * k, p_stride);
-          local.step();
-          S::template tile_load<6>(v_group[k] + d0, v_stride_bytes[k]);
-          S::template tile_dot<0, 4, 6>();
-          S::template tile_dot<1, 5, 6>();
-          if (two) {
-            local.step();
-            S::template tile_load<7>(v_group[k] + d0 + 32, v_stride_bytes[k]);
-            S::template tile_dot<2, 4, 7>();
-            S::template tile_dot<3, 5, 7>();
+          if (k == half && a_chunk + 1 < chunks) {
+            if (b_chunk >= 0) store_value_set<2>(acc + 32 * b_chunk, out_stride);
+            b_chunk = a_chunk + 1;
+            S::template tile_load<2>(acc + 32 * b_chunk, out_stride);
+            S::template tile_load<3>(acc + 32 * b_chunk + 16, out_stride);
+            value_products<0>(local, v_group[k] + 32 * a_chunk, v_stride_bytes[k]);  // A first: B is reloading
+            value_products<2>(local, v_group[k] + 32 * b_chunk, v_stride_bytes[k]);
+            continue;
+          }
+          if (b_chunk >= 0 && b_chunk == (k < half ? a_chunk - 1 : a_chunk + 1))
+            value_products<2>(local, v_group[k] + 32 * b_chunk, v_stride_bytes[k]);
+          value_products<0>(local, v_group[k] + 32 * a_chunk, v_stride_bytes[k]);
+        }
+        store_value_set<0>(acc + 32 * a_chunk, out_stride);
+        if (a_chunk + 2 < chunks) {
+          S::template tile_load<0>(acc + 32 * (a_chunk + 2), out_stride);
+          S::template tile_load<1>(acc + 32 * (a_chunk + 2) + 16, out_stride);
+        }
+      }
+      if (b_chunk >= 0) {
+        if (b_chunk == chunks - 1 - (chunks - 1) % 2 + 1) {  // after A's last chunk: its groups before `half`
+          for (int64_t k = 0; k < half; ++k) {
+            S::template tile_load<4>(p_even + 16 * k, p_stride);
+            S::template tile_load<5>(p_odd + 16 * k, p_stride);
+            value_products<2>(local, v_group[k] + 32 * b_chunk, v_stride_bytes[k]);
           }
         }
-        tiles.store_accumulators(acc + d0, out_stride, two ? 4 : 2);
+        store_value_set<2>(acc + 32 * b_chunk, out_stride);
       }
       prefetch = local;
+    }
+  }
+
+  // Accumulators C, C + 1 (a 32-dim chunk's even and odd dims) += P's words (tiles 4, 5) x the
+  // chunk's V tile (6 for set A, 7 for set B).
+  template <int C>
+  WS_INLINE void value_products(RowPrefetcher& local, const T* v, int64_t v_stride_bytes) {
+    if constexpr (S::kAmx && std::is_same_v<Kv, Bf16Kv>) {
+      constexpr int B = C == 0 ? 6 : 7;
+      local.step();
+      S::template tile_load<B>(v, v_stride_bytes);
+      S::template tile_dot<C, 4, B>();
+      S::template tile_dot<C + 1, 5, B>();
+    }
+  }
+  template <int C>
+  static void store_value_set(float* chunk, int64_t out_stride) {
+    if constexpr (S::kAmx) {
+      S::template tile_store<C>(chunk, out_stride);
+      S::template tile_store<C + 1>(chunk + 16, out_stride);
     }
   }
 
