@@ -49,7 +49,7 @@ def test_paired_tiles_over_consecutive_blocks(cpu_variant, q_dtype, run_blocks, 
 
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("group, head_dims", [(16, (576, 512)), (8, (128, 128)), (16, (64, 32)), (16, (96, 64)),
-                                              (8, (160, 96))])
+                                              (8, (160, 96)), (12, (96, 64))])
 @pytest.mark.parametrize("block_size", [16, 48])
 def test_token_major_tiles(cpu_variant, q_dtype, group, head_dims, block_size):
     q, source = paged([613, 77, 32, 3], block_size, num_kv_heads=1, group=group, head_dim_k=head_dims[0],
