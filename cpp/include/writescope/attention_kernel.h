@@ -594,7 +594,7 @@ struct ItemKernel {
         S::store(transposed + t * 16, S::bf16_high_words(p));
       }
       for (; t < padded; ++t) S::store(transposed + t * 16, S::zero());  // the last group's tokens past count
-      if (moved) rescale_lanes(moved, old_max, new_max, acc);
+      if (moved) rescale_lanes(moved, old_max, new_max, acc, 0);
       S::store(row_sum, S::add(S::load(row_sum), sum));
       S::store(row_max, new_max);
       for (t = 0; t < padded; t += 16)
@@ -603,14 +603,16 @@ struct ItemKernel {
     }
   }
 
-  // The heads whose max moved: their running sums and output rows times exp(old max - new max).
-  void rescale_lanes(uint32_t moved, V old_max, V new_max, float* acc) {
+  // Heads first_head + lane whose max moved (the lanes set in `moved`): their running sums and
+  // output rows times exp(old max - new max).
+  void rescale_lanes(uint32_t moved, V old_max, V new_max, float* acc, int64_t first_head) {
     alignas(64) float before[W], after[W];
     S::store(before, old_max);
     S::store(after, new_max);
-    for (int64_t g = 0; g < group; ++g) {
-      if (!(moved >> g & 1) || before[g] == kNegInf) continue;  // before the first tile: no output yet
-      const float alpha = std::exp(before[g] - after[g]);
+    for (int64_t lane = 0; lane < W; ++lane) {
+      if (!(moved >> lane & 1) || before[lane] == kNegInf) continue;  // before the first tile: no output yet
+      const int64_t g = first_head + lane;
+      const float alpha = std::exp(before[lane] - after[lane]);
       row_sum[g] *= alpha;
       const V factor = S::set1(alpha);
       for (int64_t d = 0; d < dim_v; d += W) S::store(acc + g * dim_v + d, S::mul(factor, S::load(acc + g * dim_v + d)));
@@ -1328,20 +1330,8 @@ struct ItemKernel {
         S::store(row + t * W, p);
         sum = S::add(sum, p);
       }
-      alignas(64) float before[W], after[W], sums[W];
-      S::store(before, old_max);
-      S::store(after, new_max);
-      S::store(sums, sum);
-      for (int64_t lane = 0; lane < W; ++lane) {
-        const int64_t g = c * W + lane;
-        if ((moved >> lane & 1) && before[lane] != kNegInf) {  // before the first tile: no output yet
-          const float alpha = std::exp(before[lane] - after[lane]);
-          row_sum[g] *= alpha;
-          const V scale = S::set1(alpha);
-          for (int64_t d = 0; d < dim_v; d += W) S::store(acc + g * dim_v + d, S::mul(scale, S::load(acc + g * dim_v + d)));
-        }
-        row_sum[g] += sums[lane];
-      }
+      if (moved) rescale_lanes(moved, old_max, new_max, acc, c * W);
+      S::store(row_sum + c * W, S::add(S::load(row_sum + c * W), sum));
       S::store(row_max + c * W, new_max);
       uint32_t* words = lane_pair_words(c, 0);
       for (int64_t t = 0; t + 2 <= count; t += 2)
