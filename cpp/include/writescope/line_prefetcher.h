@@ -29,11 +29,11 @@ WS_INLINE void hold(int64_t& chain) {
 // only when lines are due (measured on a 2-vCPU Zen 3: a loop over lines_per_step lines at every
 // step kept the score loop at 0.6x its rate without prefetching). The lines are spread over as
 // many steps as the previous tile took, exactly: the period alternates between the two whole
-// numbers around the exact one (a running remainder, as a line is drawn between pixels). Rounded down to one whole
-// period, 512 lines over 384 steps (Qwen3-MoE's FMA loops: 256 score steps of one line, 128 value
-// steps of two) went out two a step during the score steps and none during the value steps;
-// measured on a 2-vCPU Xeon (AMX host, the avx512bf16 variant forced), 8K from DRAM, interleaved:
-// Qwen3-MoE 1.08x, Mixtral 1.03x, MHA 1.05x.
+// numbers around the exact one (a running remainder, as a line is drawn between pixels). Rounded
+// down to one whole period, 512 lines over 384 steps (Qwen3-MoE's FMA loops: 256 score steps of one
+// line, 128 value steps of two) went out two a step during the score steps and none during the
+// value steps; measured on a 2-vCPU Xeon (AMX host, the avx512bf16 variant forced), 8K from DRAM,
+// interleaved: Qwen3-MoE 1.08x, Mixtral 1.03x, MHA 1.05x.
 // Compute loops copy it into a local so its fields live in registers (a member is reloaded after
 // every store the compiler cannot prove does not alias it).
 struct LinePrefetcher {
