@@ -459,11 +459,10 @@ struct PairedKernel {
         k_blocks[j] = static_cast<const T*>(a.k) + item.kv_head * a.k_head_stride + physical * a.k_block_stride;
         v_blocks[j] = static_cast<const T*>(a.v) + item.kv_head * a.v_head_stride + physical * a.v_block_stride;
       }
-      const int64_t ahead = block + (kPrefetchTiles + 1) * tile_blocks;
-      if (amx) deferred_touch = {table, ahead, ahead + tile_blocks, end_block};  // touch_deferred: later
-      else touch_blocks(table, ahead, ahead + tile_blocks, end_block);
-      if (ahead - tile_blocks < end_block) queue_prefetch(table, ahead - tile_blocks, ahead, end_block, kv_head);
-      else queue_next_item(item.next);
+      const BlockSpan touched = tile_ahead(item, block, kPrefetchTiles + 1);
+      if (amx) deferred_touch = touched;  // touch_deferred: later
+      else touch_blocks(touched);
+      queue_prefetch(tile_ahead(item, block, kPrefetchTiles));
       compute_scores(blocks, count);
       update_softmax(count, item.out);
       accumulate_values(blocks, count, item.out);
@@ -563,31 +562,49 @@ struct PairedKernel {
     }
   }
 
-  // Blocks [from, to) of a sequence's table (clipped to end_block) for kv head `head`, asked for
-  // over the next tile's steps.
-  void queue_prefetch(const int32_t* table, int64_t from, int64_t to, int64_t end_block, int64_t head) {
+  // A tile's blocks: [from, to) of a sequence's table, clipped to end_block, kv head `head`; empty
+  // where table is null.
+  struct BlockSpan {
+    const int32_t* table = nullptr;
+    int64_t from = 0, to = 0, end_block = 0, head = 0;
+  };
+
+  // The tile `tiles` tiles after the one at `block`: in this item, or past its last tile in the item
+  // this thread likely takes next, counted from that item's first tile. So the prefetcher asks for
+  // the next item's first tile during this item's last (otherwise the item starts by waiting for
+  // memory): measured on a 2-vCPU Zen 3 (AVX2), KV read cold, interleaved against the build without
+  // it, 1.02-1.06x at 8K (items of 512-1024 tokens) for the Qwen3-MoE and Mixtral shapes, 1.01-1.02x
+  // at 32K (items of 2-4K), MHA unchanged. And the pages of the next item's first two tiles are
+  // touched a tile before their lines are asked for, as every other tile's are: untouched, their
+  // page walks held up the line requests (perf, Qwen3-MoE 8K from DRAM, 2 threads: 14.9% of the
+  // samples on the requests at items of 512 tokens, 11.0% at 4096, 9.8% with the touches). Measured
+  // on a 2-vCPU Xeon (AMX), interleaved, from DRAM: Qwen3-MoE 8K 1.01-1.04x (1.02x over 300 rounds,
+  // twice), Mixtral 8K 1.02x, Qwen3-MoE 32K and MHA 8K 1.00x; 0.99-1.00x in L3 (one thread).
+  BlockSpan tile_ahead(const WorkItem& item, int64_t block, int64_t tiles) const {
+    const int64_t first = item.token_begin / block_size;
+    const int64_t end = (item.token_end + block_size - 1) / block_size;
+    const int64_t from = block + tiles * tile_blocks;
+    if (from < end) return {a.block_table + item.seq * a.block_table_stride, from, from + tile_blocks, end, item.kv_head};
+    const WorkItem* next = item.next;
+    if (next == nullptr) return {};
+    const int64_t index = (from - first) / tile_blocks - (end - first + tile_blocks - 1) / tile_blocks;
+    const int64_t next_from = next->token_begin / block_size + index * tile_blocks;
+    return {a.block_table + next->seq * a.block_table_stride, next_from, next_from + tile_blocks,
+            (next->token_end + block_size - 1) / block_size, next->kv_head};
+  }
+
+  // A tile's blocks, asked for over the next tile's steps.
+  void queue_prefetch(const BlockSpan& span) {
     pf.k_bytes = dim_qk * block_size * static_cast<int64_t>(sizeof(T));
     pf.v_bytes = dim_v * block_size * static_cast<int64_t>(sizeof(T));
     int64_t count = 0;
-    for (int64_t b = from; b < to && b < end_block && count < 2 * kMaxPrefetchBlocks; ++b) {
-      const int64_t physical = table[b];
-      prefetch_ranges[count++] = block_bytes_at(a.k, physical, a.k_block_stride, a.k_head_stride, head);
-      prefetch_ranges[count++] = block_bytes_at(a.v, physical, a.v_block_stride, a.v_head_stride, head);
+    for (int64_t b = span.from; b < span.to && b < span.end_block && count < 2 * kMaxPrefetchBlocks; ++b) {
+      const int64_t physical = span.table[b];
+      prefetch_ranges[count++] = block_bytes_at(a.k, physical, a.k_block_stride, a.k_head_stride, span.head);
+      prefetch_ranges[count++] = block_bytes_at(a.v, physical, a.v_block_stride, a.v_head_stride, span.head);
     }
     pf.ranges = prefetch_ranges;
     pf.reset(count / 2 * (pf.k_bytes + pf.v_bytes) / 64, count);
-  }
-
-  // During this item's last tile: the first tile of the item this thread likely takes next, which
-  // otherwise starts by waiting for memory. Measured on a 2-vCPU Zen 3 (AVX2), KV read cold,
-  // interleaved against the build without it: 1.02-1.06x at 8K (items of 512-1024 tokens) for the
-  // Qwen3-MoE and Mixtral shapes, 1.01-1.02x at 32K (items of 2-4K), MHA unchanged.
-  void queue_next_item(const WorkItem* next) {
-    if (next == nullptr) return queue_prefetch(nullptr, 0, 0, 0, 0);
-    const int32_t* table = a.block_table + next->seq * a.block_table_stride;
-    const int64_t first = next->token_begin / block_size;
-    const int64_t end = (next->token_end + block_size - 1) / block_size;
-    queue_prefetch(table, first, first + tile_blocks, end, next->kv_head);
   }
 
   const char* block_bytes_at(const void* base, int64_t physical, int64_t block_stride, int64_t head_stride,
@@ -599,25 +616,21 @@ struct PairedKernel {
   // their page walks run while the accumulators' stores wait for those products (as the token-major
   // kernel's). Measured on a 2-vCPU Xeon (AMX), interleaved, from DRAM: Qwen3-MoE 1.02x at 8K and
   // 1.06x at 32K, Mixtral 1.02x at 8K; in L3 (one thread) 1.00x.
-  struct DeferredTouch {
-    const int32_t* table = nullptr;
-    int64_t from = 0, to = 0, end_block = 0;
-  } deferred_touch;
+  BlockSpan deferred_touch;
   void touch_deferred() {
     if (deferred_touch.table == nullptr) return;
-    touch_blocks(deferred_touch.table, deferred_touch.from, deferred_touch.to, deferred_touch.end_block);
+    touch_blocks(deferred_touch);
     deferred_touch.table = nullptr;
   }
 
-  // The pages of blocks [from, to) (clipped to end_block), K and V: the tile after the one the
-  // prefetcher asks for.
-  void touch_blocks(const int32_t* table, int64_t from, int64_t to, int64_t end_block) const {
+  // The pages of a tile's blocks, K and V: the tile after the one the prefetcher asks for.
+  void touch_blocks(const BlockSpan& span) const {
     const int64_t k_bytes = dim_qk * block_size * static_cast<int64_t>(sizeof(T));
     const int64_t v_bytes = dim_v * block_size * static_cast<int64_t>(sizeof(T));
-    for (int64_t b = from; b < to && b < end_block; ++b) {
-      const int64_t physical = table[b];
-      touch_pages(block_bytes_at(a.k, physical, a.k_block_stride, a.k_head_stride, kv_head), k_bytes);
-      touch_pages(block_bytes_at(a.v, physical, a.v_block_stride, a.v_head_stride, kv_head), v_bytes);
+    for (int64_t b = span.from; b < span.to && b < span.end_block; ++b) {
+      const int64_t physical = span.table[b];
+      touch_pages(block_bytes_at(a.k, physical, a.k_block_stride, a.k_head_stride, span.head), k_bytes);
+      touch_pages(block_bytes_at(a.v, physical, a.v_block_stride, a.v_head_stride, span.head), v_bytes);
     }
   }
 
