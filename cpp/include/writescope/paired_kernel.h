@@ -577,14 +577,17 @@ struct PairedKernel {
   // at 32K (items of 2-4K), MHA unchanged. And the pages of the next item's first two tiles are
   // touched a tile before their lines are asked for, as every other tile's are: untouched, their
   // page walks held up the line requests (perf, Qwen3-MoE 8K from DRAM, 2 threads: 14.9% of the
-  // samples on the requests at items of 512 tokens, 11.0% at 4096, 9.8% with the touches). Measured
+  // samples on the requests at items of 512 tokens, 11.0% at 4096, 9.8% with the touches, which
+  // take the walks a tile earlier, behind compute: their samples grew from 3.7% to 9.2%). Measured
   // on a 2-vCPU Xeon (AMX), interleaved, from DRAM: Qwen3-MoE 8K 1.01-1.04x (1.02x over 300 rounds,
   // twice), Mixtral 8K 1.02x, Qwen3-MoE 32K and MHA 8K 1.00x; 0.99-1.00x in L3 (one thread).
   BlockSpan tile_ahead(const WorkItem& item, int64_t block, int64_t tiles) const {
     const int64_t first = item.token_begin / block_size;
     const int64_t end = (item.token_end + block_size - 1) / block_size;
     const int64_t from = block + tiles * tile_blocks;
-    if (from < end) return {a.block_table + item.seq * a.block_table_stride, from, from + tile_blocks, end, item.kv_head};
+    if (from < end) {
+      return {a.block_table + item.seq * a.block_table_stride, from, from + tile_blocks, end, item.kv_head};
+    }
     const WorkItem* next = item.next;
     if (next == nullptr) return {};
     const int64_t index = (from - first) / tile_blocks - (end - first + tile_blocks - 1) / tile_blocks;
