@@ -85,12 +85,22 @@ struct PairedKernel {
   static constexpr bool kWide = S::kRegisters >= 32;
   static constexpr int64_t kMaxPrefetchBlocks = 64;
   static constexpr int kScoreHeads = 4;
-  static constexpr bool chained_scores(int heads) { return !kWide && heads >= 4; }
+  // With 32 registers, eight or four heads take two or four token vectors (every vector of a tile of
+  // 16-token blocks), their even and odd dims chained into 16 accumulators: each q broadcast then
+  // serves two or four FMAs where it served one, taking half or more of the loads and the fused
+  // broadcasts off the step. Measured on a 2-vCPU Xeon (avx512bf16 and avx512 forced: the FMA
+  // loops), one thread, 8K in L3, interleaved against one vector of eight heads and two of four,
+  // unchained: Qwen3-MoE 1.04-1.07x, Mixtral 1.06x; from DRAM, 2 threads, Qwen3-MoE 1.01x at 8K and
+  // 1.03x at 32K, Mixtral (memory-bound) 1.00x. A single head over eight vectors measured 0.86x:
+  // a tile has four.
+  static constexpr bool chained_scores(int heads, int vectors) { return kWide ? heads * vectors >= 16 : heads >= 4; }
   // Measured on a 2-vCPU Xeon at 32K (Qwen3 and Mixtral shapes): one tile ahead, spread over the
   // inner iterations, beat bursts per tile (1-4 tiles ahead) by 20-40% and no prefetch by 30%.
   static constexpr int kPrefetchTiles = 1;
   // A single head takes more token vectors so there are still eight FMA chains in flight.
-  static constexpr int score_vectors(int heads) { return heads >= 8 ? 1 : heads >= 2 ? 2 : 4; }
+  static constexpr int score_vectors(int heads) {
+    return heads >= 8 ? 2 : heads >= 4 ? (kWide ? 4 : 2) : heads >= 2 ? 2 : 4;
+  }
 
   // One token vector: up to W consecutive tokens of one block.
   struct TokenVector {
@@ -648,7 +658,7 @@ struct PairedKernel {
 
   template <int GT, int TV, Vectors kVectors>
   WS_INLINE void score_step(int64_t g0, const TokenVector* tv) {
-    constexpr bool kChained = chained_scores(GT);
+    constexpr bool kChained = chained_scores(GT, TV);
     V even_acc[GT * TV], odd_acc[GT * TV];
     WS_UNROLL
     for (int i = 0; i < GT * TV; ++i) even_acc[i] = odd_acc[i] = S::zero();
