@@ -53,6 +53,9 @@ is bound in the core, by the work around and inside the loops, not by memory (th
 bound is the instructions' peak, which the loops do not reach). "of paired ceiling" is the median of
 the rounds' max(read, in-core, compute bound) / kernel: not a roofline, but how well the kernel's
 reads overlap its own compute.
+Below the table, the targets (TARGET_MIN_SEQ_LEN on: at least 0.8 of the paired roofline, 0.7 for MLA,
+and at least 2x the fastest torch peer of the same run) and every row that falls short, by name and
+figure; the JSON keeps them as "targets".
 
 FLOPs = 2 * num_q_heads * seq_len * (head_dim_qk + head_dim_v)  (QK^T and PV multiply-adds)
 KV bytes = num_kv_heads * seq_len * (head_dim_qk + head_dim_v) * 2, but MLA reads its latent once:
@@ -492,6 +495,55 @@ def measure_roofline(read_bytes: int) -> dict:
     return {"read_gbps": read, "fma_gflops": fma, "dot_gflops": dot, "tile_gflops": tile}
 
 
+# What the CPU kernel is held to (issue 14), at every context of at least TARGET_MIN_SEQ_LEN: this
+# fraction of the paired roofline (MLA's own where named), and this speed ratio to the fastest torch
+# peer measured in the same run.
+TARGET_MIN_SEQ_LEN = 8192
+ROOFLINE_TARGET = 0.8
+ROOFLINE_TARGETS = {"deepseek-v2-lite-mla": 0.7}
+PEER_TARGET = 2.0
+PEERS = ("sdpa_bf16", "sdpa_fp32", "bmm_softmax_bf16")
+
+
+def target_checks(rows: list[dict], min_seq_len: int = TARGET_MIN_SEQ_LEN) -> list[dict]:
+    """Each row of at least min_seq_len tokens against the targets: its paired-roofline fraction, and its
+    speed ratio to the fastest peer that ran (None where none did: --no-peers, or all skipped)."""
+    checks = []
+    for r in rows:
+        if r["seq_len"] < min_seq_len:
+            continue
+        fraction_target = ROOFLINE_TARGETS.get(r["shape"], ROOFLINE_TARGET)
+        ratios = {peer: r[f"speedup_vs_{peer}"] for peer in PEERS if f"speedup_vs_{peer}" in r}
+        fastest = min(ratios, key=ratios.get) if ratios else None
+        checks.append({
+            "shape": r["shape"], "seq_len": r["seq_len"],
+            "fraction": r["fraction_of_paired_roofline"], "fraction_target": fraction_target,
+            "fraction_met": r["fraction_of_paired_roofline"] >= fraction_target,
+            "fastest_peer": fastest, "vs_fastest_peer": ratios.get(fastest),
+            "peer_met": None if fastest is None else ratios[fastest] >= PEER_TARGET,
+        })
+    return checks
+
+
+def targets_summary(checks: list[dict], min_seq_len: int = TARGET_MIN_SEQ_LEN) -> str:
+    """One paragraph: how many rows meet each target, and every shortfall by name and figure."""
+    if not checks:
+        return f"Targets: no row of at least {min_seq_len // 1024}K tokens."
+    met = sum(c["fraction_met"] for c in checks)
+    short = [f"{c['shape']} {c['seq_len'] // 1024}K {c['fraction']:.2f} (target {c['fraction_target']:.1f})"
+             for c in checks if not c["fraction_met"]]
+    text = (f"Targets at L >= {min_seq_len // 1024}K: of paired roofline >= {ROOFLINE_TARGET} "
+            f"({', '.join(f'{k} {v}' for k, v in ROOFLINE_TARGETS.items())}) in {met} of {len(checks)} rows"
+            + (f"; short: {', '.join(short)}" if short else ""))
+    peered = [c for c in checks if c["peer_met"] is not None]
+    if not peered:
+        return text + "; no torch peer measured."
+    slow = [f"{c['shape']} {c['seq_len'] // 1024}K {c['vs_fastest_peer']:.1f}x ({c['fastest_peer']})"
+            for c in peered if not c["peer_met"]]
+    return (text + f". >= {PEER_TARGET:.0f}x the fastest torch peer in {len(peered) - len(slow)} of "
+            f"{len(peered)} rows with a peer" + (f"; short: {', '.join(slow)}." if slow else "."))
+
+
 def _gflops(value) -> str:
     return "-" if value is None else f"{value:.0f}"
 
@@ -518,7 +570,7 @@ def markdown_table(result: dict) -> str:
     for r in result["rows"]:
         ratios = [f"{r[f'speedup_vs_{peer}']:.1f}x" if f"speedup_vs_{peer}" in r
                   else "skipped (memory)" if peer in r.get("peers_skipped", {}) else "-"
-                  for peer in ("sdpa_bf16", "sdpa_fp32", "bmm_softmax_bf16")]
+                  for peer in PEERS]
         lines.append(
             f"| {r['shape']} | {r['seq_len'] // 1024}K | {r['instructions']} "
             f"| {r['kernel_own_ms']:.2f} / {r['kernel_ms']:.2f} | {_two_places(r.get('in_core_ms'))} "
@@ -528,6 +580,7 @@ def markdown_table(result: dict) -> str:
             f"| {r['block_read_gbps']:.1f} | {r['fraction_of_block_order_roofline']:.2f} "
             f"| {_two_places(r.get('fraction_of_paired_ceiling'))} | " + " | ".join(ratios) + " |"
         )
+    lines += ["", targets_summary(target_checks(result["rows"]))]
     return "\n".join(lines)
 
 
@@ -595,6 +648,7 @@ def main(argv: list[str] | None = None):
                     "cpus": os.cpu_count(), **roofline},
         "shapes": [asdict(s) for s in SHAPES if s.name in args.shapes],
         "rows": rows,
+        "targets": target_checks(rows),
     }
     write_json(args.out, result)
     print(markdown_table(result))
