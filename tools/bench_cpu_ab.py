@@ -48,6 +48,7 @@ import torch
 
 from writescope import ops, reference
 from writescope.block_allocator import EXTENT_BLOCKS
+from writescope.calibration import cpu_model
 from writescope.tools.bench_cpu_attention import SHAPES, cache_source, copies_for, kv_bytes, make_inputs, probe_buffers
 from writescope.tools.results import check_positive, write_json
 
@@ -345,6 +346,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         torch.manual_seed(0)
         times, host_read_gbps = measure(contestants, modules, shape, args.seq_len, args.cold_mib << 20, args.rounds)
     rows = summarize(contestants, modules, times, shape, args.seq_len, args.threads, host_read_gbps)
+    log.info("%s (%d CPUs)", cpu_model(), os.cpu_count())  # a figure's host, beside every variant below
     if host_read_gbps:
         log.info("host whole-array read of the same KV after each round: median %.1f GB/s (%.1f-%.1f)",
                  statistics.median(host_read_gbps), min(host_read_gbps), max(host_read_gbps))
@@ -358,8 +360,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             log.info("  in the %d rounds whose host read was in the top third: median %.3f ms, %.2fx the first",
                      row["fast_rounds"], row["fast_rounds_median_ms"], row["fast_rounds_speedup_vs_first"])
     if args.out:
-        write_json(args.out, {"rows": rows, "rounds": args.rounds, "cold_mib": args.cold_mib,
-                              "host_read_gbps": host_read_gbps})
+        write_json(args.out, {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "rows": rows, "rounds": args.rounds,
+                              "cold_mib": args.cold_mib, "host_read_gbps": host_read_gbps})
     return rows
 
 

@@ -2,12 +2,13 @@
 checked against the torch reference inside the tool."""
 
 import json
+import os
 import shutil
 
 import pytest
 import torch
 
-from writescope import _cpu, ops
+from writescope import _cpu, calibration, ops
 from writescope.tools import bench_cpu_ab
 from writescope.tools.bench_cpu_attention import SHAPES, cache_source, make_inputs
 
@@ -35,6 +36,7 @@ def test_builds_take_turns_and_are_compared_to_the_first(two_builds, tmp_path):
         assert row["p10_ms"] <= row["median_ms"]
     result = json.loads(out.read_text())
     assert result["rows"] == rows
+    assert result["cpu_model"] == calibration.cpu_model() and result["cpus"] == os.cpu_count()
     # the host's read of the same KV after every round: which stretch of a shared host the run met
     assert len(result["host_read_gbps"]) == 2 and all(gbps > 0 for gbps in result["host_read_gbps"])
 
