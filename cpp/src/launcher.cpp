@@ -238,24 +238,33 @@ void plan_items(AttentionJob& job, int64_t chunk_tokens, float* out, float* lse,
       continue;
     }
     const int64_t chunks = chunk_count(len, chunk_tokens);
-    for (int64_t h = 0; h < a.num_kv_heads; ++h) {
-      float* head_out = seq_out + h * g * dim_v;
-      float* head_lse = seq_lse + h * g;
-      if (chunks == 1) {
-        job.items.push_back(WorkItem{s, h, 0, len, head_out, head_lse});
+    if (chunks == 1) {
+      for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+        job.items.push_back(WorkItem{s, h, 0, len, seq_out + h * g * dim_v, seq_lse + h * g});
         job.item_group.push_back(-1);
-        continue;
       }
-      const int64_t group_index = static_cast<int64_t>(job.groups.size());
-      ChunkGroup cg{next_partial, next_partial + chunks * g * dim_v, head_out, head_lse, chunks};
+      continue;
+    }
+    const int64_t first_group = static_cast<int64_t>(job.groups.size());
+    for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+      ChunkGroup cg{next_partial, next_partial + chunks * g * dim_v, seq_out + h * g * dim_v, seq_lse + h * g, chunks};
       next_partial += group_partial_floats(chunks, g, dim_v);
+      job.remaining[job.groups.size()].store(chunks, std::memory_order_relaxed);
       job.groups.push_back(cg);
-      job.remaining[group_index].store(chunks, std::memory_order_relaxed);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t end = (c + 1) * chunk_tokens < len ? (c + 1) * chunk_tokens : len;
+    }
+    // Chunk-major: the threads' items at any moment are kv heads of one token range, whose slices
+    // of each block lie side by side, where head-major items had them read one head's slice of a
+    // block (1/num_kv_heads of it) while the other heads' waited for later. Only the order the
+    // threads claim items in: each item, its partial and the merges are as before. Measured on a
+    // 2-vCPU Xeon (AMX), from DRAM, interleaved against head-major: Qwen3-MoE 8K 1.02x (300 rounds;
+    // 1.01-1.04x in shorter runs), Qwen3-MoE 32K and Mixtral 8K 1.01x, MHA 8K 1.00x.
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t end = (c + 1) * chunk_tokens < len ? (c + 1) * chunk_tokens : len;
+      for (int64_t h = 0; h < a.num_kv_heads; ++h) {
+        const ChunkGroup& cg = job.groups[first_group + h];
         job.items.push_back(WorkItem{s, h, c * chunk_tokens, end, cg.partial_outs + c * g * dim_v,
                                      cg.partial_lses + c * g});
-        job.item_group.push_back(group_index);
+        job.item_group.push_back(first_group + h);
       }
     }
   }
