@@ -252,12 +252,14 @@ void plan_items(AttentionJob& job, int64_t chunk_tokens, float* out, float* lse,
       job.remaining[job.groups.size()].store(chunks, std::memory_order_relaxed);
       job.groups.push_back(cg);
     }
-    // Chunk-major: the threads' items at any moment are kv heads of one token range, whose slices
-    // of each block lie side by side, where head-major items had them read one head's slice of a
-    // block (1/num_kv_heads of it) while the other heads' waited for later. Only the order the
-    // threads claim items in: each item, its partial and the merges are as before. Measured on a
-    // 2-vCPU Xeon (AMX), from DRAM, interleaved against head-major: Qwen3-MoE 8K 1.02x (300 rounds;
-    // 1.01-1.04x in shorter runs), Qwen3-MoE 32K and Mixtral 8K 1.01x, MHA 8K 1.00x.
+    // Chunk-major: the order the threads claim items in (items, partials and merges do not depend on
+    // it). A head's KV is one run of memory (head-major, a sequence's blocks in extents of
+    // consecutive ids). Head-major items had the threads take alternate chunks of one head, so what
+    // a core's prefetchers fetched past its item's end was the other thread's chunk; chunk-major,
+    // with items taken in turns, a thread's next chunk of a head is the one after its last. Measured
+    // on a 2-vCPU Xeon (AMX), from DRAM, interleaved against head-major: Qwen3-MoE 8K 1.02x (300
+    // and 150 rounds; 1.01-1.04x in shorter runs), Qwen3-MoE 32K and Mixtral 8K 1.01x, MHA 8K 1.00x.
+    // Lanes of one head a thread (each thread's chunks of one head in turn) measured the same.
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t end = (c + 1) * chunk_tokens < len ? (c + 1) * chunk_tokens : len;
       for (int64_t h = 0; h < a.num_kv_heads; ++h) {
