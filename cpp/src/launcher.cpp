@@ -257,10 +257,10 @@ void plan_items(AttentionJob& job, int64_t chunk_tokens, float* out, float* lse,
     // consecutive ids). Head-major items had the threads take alternate chunks of one head, so what
     // a core's prefetchers fetched past its item's end was the other thread's chunk; chunk-major,
     // with items taken in turns and threads that divide the kv heads, a thread's next chunk of a
-    // head is the one after its last. Measured
-    // on a 2-vCPU Xeon (AMX), from DRAM, interleaved against head-major: Qwen3-MoE 8K 1.02x (300
-    // and 150 rounds; 1.01-1.04x in shorter runs), Qwen3-MoE 32K and Mixtral 8K 1.01x, MHA 8K 1.00x.
-    // Lanes of one head a thread (each thread's chunks of one head in turn) measured the same.
+    // head is the one after its last. Measured on a 2-vCPU Xeon (AMX), from DRAM, interleaved
+    // against head-major: Qwen3-MoE 8K 1.02x (300 and 150 rounds; 1.01-1.04x in shorter runs),
+    // Qwen3-MoE 32K and Mixtral 8K 1.01x, MHA 8K 1.00x. Lanes of one head a thread (each thread's
+    // chunks of one head in turn) measured the same.
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t end = (c + 1) * chunk_tokens < len ? (c + 1) * chunk_tokens : len;
       for (int64_t h = 0; h < a.num_kv_heads; ++h) {
