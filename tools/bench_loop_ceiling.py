@@ -20,18 +20,16 @@ level its loops read from).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
-import platform
-import shutil
 import subprocess
 import sys
 
 import numpy as np
 
 from writescope import calibration
+from writescope.tools import native_probe
 from writescope.tools.results import check_positive, write_json
 
 log = logging.getLogger("bench_loop_ceiling")
@@ -43,34 +41,12 @@ COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17")
 
 def check_host() -> None:
     """ValueError unless this is an x86-64 CPU with AVX2 and FMA, which the loops are written in."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        raise ValueError(f"the loops are AVX2 code: this machine is {platform.machine()}, not x86_64")
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    missing = [flag for flag in ("avx2", "fma") if flag not in flags]
-    if missing:
-        raise ValueError(f"the loops need AVX2 and FMA; this CPU lacks {', '.join(missing)}")
+    native_probe.check_x86_flags(("avx2", "fma"), "the loops need AVX2 and FMA")
 
 
 def build(compiler: str | None = None) -> str:
     """The loops' executable, compiled once per source and compiler into the cache directory."""
-    compiler = compiler or os.environ.get("CXX", "g++")
-    path = shutil.which(compiler)
-    if path is None:
-        raise ValueError(f"no C++ compiler {compiler!r} on PATH (set CXX to one that takes g++'s flags)")
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read() + path.encode() + " ".join(COMPILE_FLAGS).encode()).hexdigest()[:16]
-    out_dir = os.path.join(os.path.dirname(calibration.cache_path()), "loop_ceiling")
-    executable = os.path.join(out_dir, f"loop_ceiling_{digest}")
-    if not os.path.exists(executable):
-        os.makedirs(out_dir, exist_ok=True)
-        partial = f"{executable}.{os.getpid()}"
-        subprocess.run([path, *COMPILE_FLAGS, "-o", partial, SOURCE], check=True, capture_output=True, text=True)
-        os.replace(partial, executable)  # atomic: a concurrent build never runs a half-written file
-    return executable
+    return native_probe.build(SOURCE, COMPILE_FLAGS, "loop_ceiling", compiler)
 
 
 def l2_bytes() -> int:
@@ -143,11 +119,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.l2_regions is not None and args.l2_regions < 2:
         parser.error(f"--l2-regions must be >= 2 (1 is the L1 case), got {args.l2_regions}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        check_host()
-        executable = build()
-    except ValueError as error:
-        parser.error(str(error))
+    executable = native_probe.executable_or_exit(parser, check_host, build)
     l2_regions = args.l2_regions or max(2, int(0.6 * l2_bytes()) // BLOCK_PAIR_BYTES)
     rows, peak_gflops = measure(executable, args.rounds, args.calls, l2_regions)
     log.info("%s", table(rows, peak_gflops, calibration.cpu_model(), l2_regions))
