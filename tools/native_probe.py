@@ -41,7 +41,10 @@ def build(source: str, flags: tuple[str, ...], name: str, compiler: str | None =
     if not os.path.exists(executable):
         os.makedirs(out_dir, exist_ok=True)
         partial = f"{executable}.{os.getpid()}"
-        subprocess.run([path, *flags, "-o", partial, source], check=True, capture_output=True, text=True)
+        done = subprocess.run([path, *flags, "-o", partial, source], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ValueError(f"{compiler} could not compile {os.path.basename(source)} with {' '.join(flags)} "
+                             f"(exit {done.returncode}): {done.stderr.strip()[-500:]}")
         os.replace(partial, executable)  # atomic: a concurrent build never runs a half-written file
     return executable
 

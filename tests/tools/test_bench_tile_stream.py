@@ -89,3 +89,9 @@ def test_a_missing_compiler_is_named(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-here")
     with pytest.raises(ValueError, match="no C\\+\\+ compiler 'no-such-compiler-here'"):
         bench_tile_stream.build()
+
+
+def test_a_compiler_that_fails_is_named(monkeypatch):
+    monkeypatch.setenv("CXX", "false")  # on PATH, exits 1 whatever it is given
+    with pytest.raises(ValueError, match="false could not compile tile_stream_amx.cpp .*exit 1"):
+        bench_tile_stream.build()
