@@ -6,7 +6,8 @@ tiles: the scores' 72 tile products, then PV's 128) is compiled on its own from
 `tools/tile_stream_amx.cpp` (g++ -O2 -mamx-tile -mamx-bf16 -mavx512f) and run over a latent region
 larger than the last-level cache, one process a CPU at once (each pinned to its own), with each way
 of asking for the next tile's lines (--prefetch: `rows`, the kernel's; `lines`, `every2`, `every4`,
-`heads2`, `none`), with and without PV (--pv), and beside them a plain read of the same region. The
+`heads2`, `none`; each spread over a tile's steps as the kernel steps its prefetcher), with and
+without PV (--pv), and beside them a plain read of the same region. The
 configurations take turns round by round, each reported as the median over the rounds of its
 processes' summed GB/s, and of that sum over the plain read's in the same round. One tile's scores
 and values are checked against a numpy reference of the same inputs before any rate is reported.
@@ -14,7 +15,7 @@ and values are checked against a numpy reference of the same inputs before any r
 What it says: how much of a plain read the loop's own shape can reach, so that the kernel's MLA
 row (`bench_cpu_attention.py`) can be split into the loop's share and that of the work around it
 (the softmax, item starts, merges). On the 2-vCPU Xeon of session 62 the loop asking the kernel's
-way read 0.82 of the plain read (the scores alone 0.92, the other ways 0.67-0.69) where the kernel
+way read 0.80 of the plain read (the scores alone 0.94, the other ways 0.63-0.73) where the kernel
 read about 0.7 (docs/cpu_kernel_history.md).
 
     python tools/bench_tile_stream.py --out bench_results/tile_stream.json
@@ -70,13 +71,11 @@ def run_processes(executable: str, config: dict, cpus: list[int], region_mib: in
     argv = [executable, config["mode"], config["prefetch"], "1" if config["pv"] else "0", str(region_mib)]
     children = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  preexec_fn=(lambda cpu=cpu: os.sched_setaffinity(0, {cpu}))) for cpu in cpus]
-    results = []
-    for child in children:
-        out, err = child.communicate()
+    outputs = [child.communicate() for child in children]  # every child waited for, a failed one or not
+    for child, (_, err) in zip(children, outputs, strict=True):
         if child.returncode != 0:
             raise RuntimeError(f"{' '.join(argv)} exited {child.returncode}: {err.strip()}")
-        results.append(json.loads(out))
-    return results
+    return [json.loads(out) for out, _ in outputs]
 
 
 def mix(i: np.ndarray) -> np.ndarray:

@@ -13,12 +13,14 @@
 //           P x V: per pair of chunks the 4 accumulators loaded, per group P's even and odd words
 //           (tiles 4, 5) and each chunk's V tile (6, 7), 4 products; the 4 accumulators stored.
 //           128 products. P is a fixed input here (no softmax, which reads no memory).
-//   asking  the next tile's lines, over the tile's 200 products (PREFETCH, below), and one line a
-//           page of the tile after it (the kernel's page touches), once the scores' products are
-//           issued.
-// PREFETCH: rows (the kernel's way: a K row's 18 lines every other product), lines (6 lines every
-// product), every2 / every4 (every second / fourth line, 6 lines' worth a product), heads2 (the
-// first two lines of each 4 KB page), none.
+//   asking  the next tile's lines, a step at every score product and every V tile load (136 steps
+//           a tile; 72 for the scores alone) as the kernel steps its prefetcher (PREFETCH, below),
+//           and one line a page of the tile after it (the kernel's page touches), once the scores'
+//           products are issued.
+// PREFETCH: rows (the kernel's way: the tile's 128 row slots, K and V alternately, V none for MLA,
+// spread evenly over the steps: a K row's 18 lines every other step), lines (the tile's lines spread
+// evenly over the steps), every2 / every4 (every second / fourth of them), heads2 (the first two
+// lines of each 4 KB page), none.
 //
 // Usage: tile_stream_amx MODE PREFETCH PV REGION_MIB
 //   MODE read | loop; PV 1 | 0 (0: the scores only).
@@ -41,7 +43,6 @@ namespace {
 constexpr int kHeads = 16, kLatent = 576, kValueDims = 512, kTileTokens = 64;
 constexpr int64_t kRowBytes = kLatent * 2, kTileBytes = kTileTokens * kRowBytes;
 constexpr int64_t kTileLines = kTileBytes / 64;
-constexpr int kProducts = 72 + 128;  // a tile's score and value products: the prefetch steps
 static_assert(kTileBytes % 4096 == 0, "tiles are whole pages of a page-aligned region");
 
 // Exactly representable inputs, so the products and their float32 sums are exact: K and V k / 16
@@ -71,31 +72,38 @@ enum class Ask { kRows, kLines, kEvery2, kEvery4, kHeads2, kNone };
 // The next tile's lines, a step at a time (one step a tile product).
 struct Asker {
   Ask mode = Ask::kNone;
+  int64_t steps = 1;  // a tile's steps: each asks for its share of the tile
   const char* tile = nullptr;  // null: nothing to ask for
   int64_t step = 0;
+  static int64_t share(int64_t total, int64_t steps) { return (total + steps - 1) / steps; }
   void start(const char* next) { tile = next, step = 0; }
   static void line(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
   inline void next_step() {
     if (tile == nullptr) return;
     const int64_t s = step++;
     switch (mode) {
-      case Ask::kRows:  // a K row every other step, over the first 128 steps (the kernel's row slots)
-        if (s < 2 * kTileTokens && s % 2 == 0)
-          for (int64_t l = 0; l < kRowBytes / 64; ++l) line(tile + (s / 2) * kRowBytes + l * 64);
+      case Ask::kRows: {  // the kernel's row slots, K and V alternately (V none: it is K's prefix)
+        const int64_t slots = share(2 * kTileTokens, steps);
+        for (int64_t slot = s * slots; slot < (s + 1) * slots && slot < 2 * kTileTokens; ++slot)
+          if (slot % 2 == 0)
+            for (int64_t l = 0; l < kRowBytes / 64; ++l) line(tile + (slot / 2) * kRowBytes + l * 64);
         break;
+      }
       case Ask::kLines:
-        for (int64_t l = s * 6; l < (s + 1) * 6 && l < kTileLines; ++l) line(tile + l * 64);
-        break;
       case Ask::kEvery2:
-        for (int64_t l = s * 6; l < (s + 1) * 6 && l < kTileLines; l += 2) line(tile + l * 64);
+      case Ask::kEvery4: {
+        const int64_t span = share(kTileLines, steps);
+        const int64_t every = mode == Ask::kLines ? 1 : mode == Ask::kEvery2 ? 2 : 4;
+        for (int64_t l = s * span; l < (s + 1) * span && l < kTileLines; ++l)
+          if (l % every == 0) line(tile + l * 64);
         break;
-      case Ask::kEvery4:
-        for (int64_t l = s * 6; l < (s + 1) * 6 && l < kTileLines; l += 4) line(tile + l * 64);
-        break;
-      case Ask::kHeads2:  // lines 0 and 1 of each of the tile's pages (tiles are whole pages), two pages a step
-        for (int64_t page = 2 * s; page < 2 * s + 2 && page * 4096 < kTileBytes; ++page)
+      }
+      case Ask::kHeads2: {  // lines 0 and 1 of each of the tile's pages (tiles are whole pages)
+        const int64_t pages = share(kTileBytes / 4096, steps);
+        for (int64_t page = s * pages; page < (s + 1) * pages && page * 4096 < kTileBytes; ++page)
           line(tile + page * 4096), line(tile + page * 4096 + 64);
         break;
+      }
       case Ask::kNone:
         break;
     }
@@ -176,7 +184,7 @@ struct Loop {
   void pass(const char* region, int64_t tiles) {
     for (int64_t j = 0; j < tiles; ++j) {
       const char* tile = region + j * kTileBytes;
-      while (asker.tile != nullptr && asker.step < kProducts) asker.next_step();  // the rest, at once
+      while (asker.tile != nullptr && asker.step < asker.steps) asker.next_step();  // any left, at once
       asker.start(j + 1 < tiles ? tile + kTileBytes : nullptr);
       run_scores(tile);
       if (j + 2 < tiles)  // the pages of the tile after next, in the shadow of the score stores
@@ -274,7 +282,7 @@ int main(int argc, char** argv) {
       p_even[h * kTileTokens + t] = p;
       p_odd[h * kTileTokens + t] = p << 16;
     }
-  Loop loop{q_pairs, p_even, p_odd, scores, out, pv == 1, Asker{ask}};
+  Loop loop{q_pairs, p_even, p_odd, scores, out, pv == 1, Asker{ask, 72 + (pv == 1 ? 64 : 0)}};
 
   loop.pass(region, tiles);
   const double start = now_s();
