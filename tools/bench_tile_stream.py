@@ -5,10 +5,10 @@ The loop of the CPU kernel's MLA path on the AMX tiles (16 heads on one 576-dim 
 tiles: the scores' 72 tile products, then PV's 128) is compiled on its own from
 `tools/tile_stream_amx.cpp` (g++ -O2 -mamx-tile -mamx-bf16 -mavx512f) and run over a latent region
 larger than the last-level cache, one process a CPU at once (each pinned to its own), with each way
-of asking for the next tile's lines (--prefetch: `rows`, the kernel's; `lines`, `every2`, `every4`,
-`heads2`, `none`; each spread over a tile's steps as the kernel steps its prefetcher), with and
-without PV (--pv), and beside them a plain read of the same region. The
-configurations take turns round by round, each reported as the median over the rounds of its
+of asking for the next tile's lines (--prefetch: `rows`, the kernel's; `loads`, the same lines read
+by loads whose values go unused; `lines`, `every2`, `every4`, `heads2`, `none`; each spread over a
+tile's steps as the kernel steps its prefetcher), with and without PV (--pv), and beside them a
+plain read of the same region. The configurations take turns round by round, each reported as the median over the rounds of its
 processes' summed GB/s, and of that sum over the plain read's in the same round. One tile's scores
 and values are checked against a numpy reference of the same inputs before any rate is reported.
 
@@ -16,7 +16,8 @@ What it says: how much of a plain read the loop's own shape can reach, so that t
 row (`bench_cpu_attention.py`) can be split into the loop's share and that of the work around it
 (the softmax, item starts, merges). On the 2-vCPU Xeon of session 62 the loop asking the kernel's
 way read 0.80 of the plain read (the scores alone 0.94, the other ways 0.63-0.73) where the kernel
-read about 0.7 (docs/cpu_kernel_history.md).
+read about 0.7 (docs/cpu_kernel_history.md). In session 63 the same lines asked for by loads read 0.64
+where `rows` read 0.76: a load is no better a way to start the L2's streamer.
 
     python tools/bench_tile_stream.py --out bench_results/tile_stream.json
 """
@@ -41,7 +42,7 @@ log = logging.getLogger("bench_tile_stream")
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tile_stream_amx.cpp")
 COMPILE_FLAGS = ("-O2", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-std=c++17")
-PREFETCHES = ("rows", "lines", "every2", "every4", "heads2", "none")
+PREFETCHES = ("rows", "loads", "lines", "every2", "every4", "heads2", "none")
 HEADS, LATENT, VALUE_DIMS, TILE_TOKENS = 16, 576, 512, 64
 TILE_BYTES = TILE_TOKENS * LATENT * 2
 

@@ -18,9 +18,10 @@
 //           and one line a page of the tile after it (the kernel's page touches), once the scores'
 //           products are issued.
 // PREFETCH: rows (the kernel's way: the tile's 128 row slots, K and V alternately, V none for MLA,
-// spread evenly over the steps: a K row's 18 lines every other step), lines (the tile's lines spread
-// evenly over the steps), every2 / every4 (every second / fourth of them), heads2 (the first two
-// lines of each 4 KB page), none.
+// spread evenly over the steps: a K row's 18 lines every other step), loads (the same lines, each
+// read by a load whose value goes unused), lines (the tile's lines spread evenly over the steps),
+// every2 / every4 (every second / fourth of them), heads2 (the first two lines of each 4 KB page),
+// none.
 //
 // Usage: tile_stream_amx MODE PREFETCH PV REGION_MIB
 //   MODE read | loop; PV 1 | 0 (0: the scores only).
@@ -67,7 +68,7 @@ struct alignas(64) TileConfig {
 
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
-enum class Ask { kRows, kLines, kEvery2, kEvery4, kHeads2, kNone };
+enum class Ask { kRows, kLoads, kLines, kEvery2, kEvery4, kHeads2, kNone };
 
 // The next tile's lines, a step at a time (one step a tile product).
 struct Asker {
@@ -78,15 +79,23 @@ struct Asker {
   static int64_t share(int64_t total, int64_t steps) { return (total + steps - 1) / steps; }
   void start(const char* next) { tile = next, step = 0; }
   static void line(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
+  // A load whose value nothing uses: it holds a fill buffer as a prefetch does, but it is a demand
+  // access, which trains the L2's streamer the way a plain read does.
+  static void touch(const char* p) { asm volatile("" : : "r"(*static_cast<const volatile char*>(p))); }
   inline void next_step() {
     if (tile == nullptr) return;
     const int64_t s = step++;
     switch (mode) {
-      case Ask::kRows: {  // the kernel's row slots, K and V alternately (V none: it is K's prefix)
+      case Ask::kRows:    // the kernel's row slots, K and V alternately (V none: it is K's prefix)
+      case Ask::kLoads: {  // the same lines, loaded
         const int64_t slots = share(2 * kTileTokens, steps);
         for (int64_t slot = s * slots; slot < (s + 1) * slots && slot < 2 * kTileTokens; ++slot)
           if (slot % 2 == 0)
-            for (int64_t l = 0; l < kRowBytes / 64; ++l) line(tile + (slot / 2) * kRowBytes + l * 64);
+            for (int64_t l = 0; l < kRowBytes / 64; ++l) {
+              const char* p = tile + (slot / 2) * kRowBytes + l * 64;
+              if (mode == Ask::kRows) line(p);
+              else touch(p);
+            }
         break;
       }
       case Ask::kLines:
@@ -213,7 +222,7 @@ int64_t read_pass(const char* region, int64_t bytes) {
 }
 
 bool parse_ask(const std::string& name, Ask* ask) {
-  const struct { const char* name; Ask ask; } names[] = {{"rows", Ask::kRows}, {"lines", Ask::kLines},
+  const struct { const char* name; Ask ask; } names[] = {{"rows", Ask::kRows}, {"loads", Ask::kLoads}, {"lines", Ask::kLines},
                                                           {"every2", Ask::kEvery2}, {"every4", Ask::kEvery4},
                                                           {"heads2", Ask::kHeads2}, {"none", Ask::kNone}};
   for (const auto& n : names)
@@ -231,7 +240,7 @@ int main(int argc, char** argv) {
   if (argc != 5 || (mode != "read" && mode != "loop") || !parse_ask(argv[2], &ask) || (pv != 0 && pv != 1) ||
       region_mib < 1) {
     std::fprintf(stderr,
-                 "usage: %s read|loop rows|lines|every2|every4|heads2|none 1|0 REGION_MIB (REGION_MIB >= 1)\n",
+                 "usage: %s read|loop rows|loads|lines|every2|every4|heads2|none 1|0 REGION_MIB (REGION_MIB >= 1)\n",
                  argv[0]);
     return 2;
   }

@@ -65,6 +65,21 @@ PYBIND11_MODULE(_cpu, m) {
         "Routed SwiGLU experts of a few tokens: x [tokens, hidden], weights (bf16 or float32) and experts "
         "[tokens, top_k], gate_up [E, 2 * inter, hidden], down [E, hidden, inter] -> out [tokens, hidden] bf16, "
         "written in place.");
+  m.def("set_phase_timers", &set_phase_timers, py::arg("enabled"),
+        "Switches the attention kernel's phase timers on or off and zeroes them (off by default; on, each "
+        "tile's phases cost a time-stamp read).");
+  m.def(
+      "phase_timers",
+      [] {
+        py::dict phases;
+        for (const PhaseTotal& total : phase_totals())
+          phases[py::str(total.name)] = py::make_tuple(total.count, total.seconds);
+        return phases;
+      },
+      "Since the timers were last set: {phase: (count, seconds summed over threads)}. Phases of an item: "
+      "item_start, first_tile (whole), then each middle tile's gather, scores, softmax and values, last_tile "
+      "(whole), item_end; and merge (a sequence's chunk partials). Counts: items, first tiles, middle tiles, "
+      "last tiles, items, merges.");
   m.def("available_variants", &available_variants, "ISA variants this CPU runs, best first.");
   m.def(
       "set_variant",

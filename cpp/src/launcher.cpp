@@ -8,6 +8,7 @@
 
 #include "checks.h"
 #include "runtime.h"
+#include "writescope/phase_timers.h"
 
 namespace writescope {
 namespace {
@@ -46,8 +47,10 @@ void run_attention_item(void* context, int64_t index, int thread) {
   if (g < 0 || job.remaining[g].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   const ChunkGroup& cg = job.groups[g];
   const int64_t dim_v = job.args.head_dim_v;
+  phase_timers::ItemLaps laps;
   job.kernels->merge_rows(cg.num_chunks, job.group_size, dim_v, cg.partial_outs, job.group_size * dim_v,
                           cg.partial_lses, job.group_size, cg.out, cg.lse);
+  laps.lap(phase_timers::kMerge);
 }
 
 void check_block_table(const PagedAttentionArgs& a, int64_t max_blocks, int64_t num_blocks) {
@@ -291,6 +294,37 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 }
 
 }  // namespace
+
+void set_phase_timers(bool enabled) {
+  phase_timers::reset();
+  phase_timers::enabled.store(enabled, std::memory_order_relaxed);
+}
+
+double phase_ticks_per_second() {
+#if defined(__x86_64__)
+  // The time-stamp counter against steady_clock over 20 ms, once (invariant TSC: one rate for the run).
+  static const double rate = [] {
+    const auto start = std::chrono::steady_clock::now();
+    const uint64_t first = phase_timers::now_ticks();
+    while (seconds_since(start) < 0.02) {
+    }
+    return static_cast<double>(phase_timers::now_ticks() - first) / seconds_since(start);
+  }();
+  return rate;
+#else
+  return 1e9;  // steady_clock nanoseconds
+#endif
+}
+
+std::vector<PhaseTotal> phase_totals() {
+  std::vector<PhaseTotal> totals;
+  const double rate = phase_ticks_per_second();
+  for (int p = 0; p < phase_timers::kNumPhases; ++p)
+    totals.push_back(PhaseTotal{phase_timers::kPhaseNames[p],
+                                static_cast<int64_t>(phase_timers::counts[p].load(std::memory_order_relaxed)),
+                                static_cast<double>(phase_timers::ticks[p].load(std::memory_order_relaxed)) / rate});
+  return totals;
+}
 
 int64_t default_chunk_tokens(const int32_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads,
                              int64_t output_bytes, int64_t kv_token_bytes) {

@@ -46,6 +46,16 @@ constexpr int64_t kOutputShare = 64;
 int64_t default_chunk_tokens(const int32_t* seq_lens, int64_t num_seqs, int64_t num_kv_heads,
                              int64_t output_bytes, int64_t kv_token_bytes);
 
+// The kernel's phase timers (writescope/phase_timers.h): switched on or off, and zeroed, by
+// set_phase_timers; phase_totals gives each phase's count and summed seconds over every thread.
+void set_phase_timers(bool enabled);
+struct PhaseTotal {
+  std::string name;
+  int64_t count;
+  double seconds;
+};
+std::vector<PhaseTotal> phase_totals();
+
 // outs [num_parts, rows, dim], lses [num_parts, rows] float32 -> out [rows, dim], lse [rows].
 void merge_partials(const py::array& outs, const py::array& lses, py::array& out, py::array& lse);
 

@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "writescope/kernel_args.h"
+#include "writescope/phase_timers.h"
 #include "writescope/simd_scalar.h"
 
 namespace writescope {
@@ -407,6 +408,7 @@ struct ItemKernel {
   const char** ahead_rows = nullptr;  // [2 * kTileTokens]: the next tile's K and V rows
   RowPrefetcher prefetch;
   AmxTiles<S> tiles;
+  phase_timers::ItemLaps laps;  // from the kernel's construction (the item's start) to its end
   // bf16 q against bf16 K with the CPU's bf16 dot product: products of bf16 values are exact in
   // float32, so this is as accurate as widening first (the scale is applied after the dot).
   bool bf16_dot = false;
@@ -815,23 +817,34 @@ struct ItemKernel {
       row_max[g] = kNegInf;
       row_sum[g] = 0.0f;
     }
+    laps.lap(phase_timers::kItemStart);
     for (int64_t begin = item.token_begin; begin < item.token_end; begin += kTileTokens) {
       const int64_t count = item.token_end - begin < kTileTokens ? item.token_end - begin : kTileTokens;
+      const bool first = begin == item.token_begin, last = !first && begin + count == item.token_end;
       gather_rows(item, begin, count);
+      laps.part(phase_timers::kGather, first, last);
       if (amx_lanes) {
         amx_latent_tiles(count);
+        laps.part(phase_timers::kScores, first, last);
         amx_lane_softmax(count, item.out);
+        laps.part(phase_timers::kSoftmax, first, last);
         amx_value_products(count, item.out);
+        laps.part(phase_timers::kValues, first, last);
+        laps.end_tile(first, last);
         continue;
       }
       if (amx_words) amx_scores_words(count);
       else if (amx) amx_scores(count);
       else compute_scores(count);
+      laps.part(phase_timers::kScores, first, last);
       update_softmax(count, item.out);
+      laps.part(phase_timers::kSoftmax, first, last);
       if (amx_words) amx_values_words(count, item.out);
       else if (amx) amx_values(count, item.out);
       else if (bf16_dot) dot_values(count, item.out);
       else accumulate_values(count, item.out);
+      laps.part(phase_timers::kValues, first, last);
+      laps.end_tile(first, last);
     }
     if constexpr (S::kAmx) {
       if (amx) S::tile_release();
@@ -849,6 +862,7 @@ struct ItemKernel {
           for (int64_t d = 0; d + 2 * W <= dim_v; d += 2 * W) S::unpacked_to_natural(item.out + g * dim_v + d);
       }
     }
+    laps.lap(phase_timers::kItemEnd);
   }
 
   // The item on the lane path: scores, probabilities and running max and sum all with heads in
@@ -866,18 +880,26 @@ struct ItemKernel {
         for (int64_t g = 0; g < group; ++g) item.lse[g] = kNegInf;
         return;
       }
+      laps.lap(phase_timers::kItemStart);
       for (int64_t begin = item.token_begin; begin < item.token_end; begin += kTileTokens) {
         const int64_t count = item.token_end - begin < kTileTokens ? item.token_end - begin : kTileTokens;
+        const bool first = begin == item.token_begin, last = !first && begin + count == item.token_end;
         gather_rows(item, begin, count);
+        laps.part(phase_timers::kGather, first, last);
         lane_scores(count);
+        laps.part(phase_timers::kScores, first, last);
         lane_softmax(count, item.out);
-        lane_values(count, item.out, begin == item.token_begin);
+        laps.part(phase_timers::kSoftmax, first, last);
+        lane_values(count, item.out, first);
+        laps.part(phase_timers::kValues, first, last);
+        laps.end_tile(first, last);
       }
       for (int64_t g = 0; g < group; ++g) {
         const V inv = S::set1(1.0f / row_sum[g]);
         for (int64_t d = 0; d < dim_v; d += 2 * W) S::unpacked_to_natural(item.out + g * dim_v + d, inv);
         item.lse[g] = row_max[g] + std::log(row_sum[g]);
       }
+      laps.lap(phase_timers::kItemEnd);
     }
   }
 

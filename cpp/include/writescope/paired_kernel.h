@@ -28,6 +28,7 @@
 #include "writescope/kernel_args.h"
 #include "writescope/line_prefetcher.h"
 #include "writescope/pacing.h"
+#include "writescope/phase_timers.h"
 
 namespace writescope {
 namespace {
@@ -190,6 +191,7 @@ struct PairedKernel {
   uint16_t* p_lo;
   T* v_clean;      // one V block [block_size / 2, dim_v, 2], slots past the sequence's end zeroed
   AmxTiles<S> tiles;
+  phase_timers::ItemLaps laps;  // from the kernel's construction (the item's start) to its end
 
   // q32 -> bf16 high and low parts, 16 at a time (group * dim_qk is a multiple of 32 here: a scalar
   // loop was ~10% of a Qwen3-MoE item of 1K tokens on a 2-vCPU Xeon, in cache); a bf16 q is
@@ -460,9 +462,11 @@ struct PairedKernel {
     const int64_t first_block = item.token_begin / block_size;
     const int64_t end_block = (item.token_end + block_size - 1) / block_size;
     prefetch_blocks(table, first_block, first_block + kPrefetchTiles * tile_blocks, end_block);
+    laps.lap(phase_timers::kItemStart);
     for (int64_t block = first_block; block < end_block; block += tile_blocks) {
       const int64_t begin = block * block_size;
       const int64_t count = item.token_end - begin < tile_tokens ? item.token_end - begin : tile_tokens;
+      const bool first = block == first_block, last = !first && begin + count == item.token_end;
       const int64_t blocks = (count + block_size - 1) / block_size;
       for (int64_t j = 0; j < blocks; ++j) {
         const int64_t physical = table[block + j];
@@ -473,11 +477,16 @@ struct PairedKernel {
       if (amx) deferred_touch = touched;  // touch_deferred: later
       else touch_blocks(touched);
       queue_prefetch(tile_ahead(item, block, kPrefetchTiles));
+      laps.part(phase_timers::kGather, first, last);
       compute_scores(blocks, count);
+      laps.part(phase_timers::kScores, first, last);
       update_softmax(count, item.out);
+      laps.part(phase_timers::kSoftmax, first, last);
       accumulate_values(blocks, count, item.out);
       if (count == tile_tokens) whole_tile_steps = pf.steps;
       pf.finish();
+      laps.part(phase_timers::kValues, first, last);
+      laps.end_tile(first, last);
     }
     for (int64_t g = 0; g < group; ++g) {
       const float inv = 1.0f / row_sum[g];
@@ -487,6 +496,7 @@ struct PairedKernel {
     if constexpr (S::kAmx) {
       if (amx) S::tile_release();  // a thread holding no tile state saves and restores less on a switch
     }
+    laps.lap(phase_timers::kItemEnd);
   }
 
   void load_queries(const WorkItem& item) {
