@@ -8,9 +8,10 @@ larger than the last-level cache, one process a CPU at once (each pinned to its 
 of asking for the next tile's lines (--prefetch: `rows`, the kernel's; `loads`, the same lines read
 by loads whose values go unused; `lines`, `every2`, `every4`, `heads2`, `none`; each spread over a
 tile's steps as the kernel steps its prefetcher), with and without PV (--pv), and beside them a
-plain read of the same region. The configurations take turns round by round, each reported as the median over the rounds of its
-processes' summed GB/s, and of that sum over the plain read's in the same round. One tile's scores
-and values are checked against a numpy reference of the same inputs before any rate is reported.
+plain read of the same region. The configurations take turns round by round, each reported as the
+median over the rounds of its processes' summed GB/s, and of that sum over the plain read's in the
+same round. One tile's scores and values are checked against a numpy reference of the same inputs
+before any rate is reported.
 
 What it says: how much of a plain read the loop's own shape can reach, so that the kernel's MLA
 row (`bench_cpu_attention.py`) can be split into the loop's share and that of the work around it
