@@ -9,7 +9,11 @@ For each (workers, threads per worker) of the sweep:
      --repeats calls each), so every timed call runs against all the others; each worker's median
      call is taken, and aggregate GB/s = the KV bytes of all workers / the slowest worker's median.
      The same workers then run the extension's streaming-read probe concurrently: about the read
-     bandwidth this set of pinned threads can pull.
+     bandwidth this set of pinned threads can pull; and --repeats more calls each, together, with
+     the kernel's phase timers on (apart from the timed window, whose calls they would slow by a
+     time-stamp read a phase): a middle tile's mean time and an item's first tile against it, summed
+     over the workers, say whether the tiles themselves slow as threads are added (memory shared by
+     more of them) or the items' edges do.
   2. Decode: `Engine.from_pretrained(preset, policy="all_cpu", executor="ray")` with those nodes as
      its CPU workers decodes a random prompt batch; tok/s = batch / the median gap between decode
      step ends, after two warm-up steps (as tools/bench_e2e.py).
@@ -38,7 +42,8 @@ from writescope.topology import NumaNode, emulated_topology, pin_process, read_t
 log = logging.getLogger(__name__)
 
 CSV_COLUMNS = ("workers", "threads_per_worker", "total_threads", "attention_gbps", "decode_tok_s",
-               "roofline_read_gbps", "attention_of_roofline", "workers_read_gbps", "attention_of_workers_read")
+               "roofline_read_gbps", "attention_of_roofline", "workers_read_gbps", "attention_of_workers_read",
+               "middle_tile_us", "first_tile_in_middle_tiles")
 DEFAULTS = {"context": 8192, "attention_tokens": 32768, "repeats": 9, "read_mib": 512}
 QUICK = {"context": 512, "attention_tokens": 2048, "repeats": 1, "read_mib": 128}
 MIN_READ_BYTES = 64 << 20  # per worker: past the last-level cache, so the probe reads DRAM
@@ -168,6 +173,20 @@ class AttentionWorker:
             times.append(elapsed)
         return statistics.median(times), len(times)
 
+    def phase_totals(self, start_at: float, calls: int) -> dict:
+        """The kernel's phase timers, {phase: (count, seconds)}, over `calls` calls started at start_at
+        (epoch) with the other workers; the timers are off again afterwards."""
+        from writescope import _cpu
+
+        time.sleep(max(0.0, start_at - time.time()))
+        _cpu.set_phase_timers(True)
+        try:
+            for _ in range(calls):
+                self._call()
+            return _cpu.phase_timers()
+        finally:
+            _cpu.set_phase_timers(False)
+
     def read_gbps(self, start_at: float, num_bytes: int, repeats: int) -> float:
         """Median streaming-read GB/s of this worker's pinned pool, started at start_at (epoch)."""
         from writescope import _cpu
@@ -188,6 +207,22 @@ def kv_bytes_of(shape_name: str, tokens: int) -> int:
     return kv_bytes(next(s for s in SHAPES if s.name == shape_name), tokens)
 
 
+def tile_figures(worker_totals: list[dict]) -> dict:
+    """The workers' phase totals summed: a middle tile's mean microseconds and an item's first tile
+    against it (None where no item had a middle tile)."""
+    from writescope.tools.profile_cpu_phases import middle_tile_us
+
+    summed: dict[str, tuple[int, float]] = {}
+    for totals in worker_totals:
+        for phase, (count, seconds) in totals.items():
+            before = summed.get(phase, (0, 0.0))
+            summed[phase] = (before[0] + count, before[1] + seconds)
+    middle_us = middle_tile_us(summed)
+    first_count, first_s = summed.get("first_tile", (0, 0.0))
+    first_ratio = first_s / first_count * 1e6 / middle_us if middle_us and first_count else None
+    return {"middle_tile_us": middle_us, "first_tile_in_middle_tiles": first_ratio}
+
+
 def measure_attention(actors: list, point: Point, *, shape: str, tokens_per_worker: int, warmup: int,
                       repeats: int, read_bytes: int) -> dict:
     """Aggregate attention GB/s and the workers' concurrent read GB/s for one point of the sweep."""
@@ -204,9 +239,12 @@ def measure_attention(actors: list, point: Point, *, shape: str, tokens_per_work
     seconds = [s for s, _ in timed]
     start_at = time.time() + START_DELAY_S
     reads = ray.get([a.read_gbps.remote(start_at, read_bytes, READ_REPEATS) for a in actors])
+    start_at = time.time() + START_DELAY_S
+    phases = ray.get([a.phase_totals.remote(start_at, repeats) for a in actors])
     total_bytes = point.workers * kv_bytes_of(shape, tokens_per_worker)
     log.debug("workers=%d threads=%d: per-worker (median s, calls) %s", point.workers, point.threads, timed)
-    return {"attention_gbps": total_bytes / max(seconds) / 1e9, "workers_read_gbps": sum(reads)}
+    return {"attention_gbps": total_bytes / max(seconds) / 1e9, "workers_read_gbps": sum(reads),
+            **tile_figures(phases)}
 
 
 def machine_read_gbps(num_bytes: int, repeats: int = 5) -> float:
@@ -333,13 +371,18 @@ def plot(rows: list[dict], path: str, roofline: float, title: str) -> None:
 
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| workers | threads/worker | total threads | attention GB/s | of roofline | workers' read GB/s "
-             "| of workers' read | decode tok/s |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| of workers' read | decode tok/s | middle tile us | first tile / middle |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['workers']} | {r['threads_per_worker']} | {r['total_threads']} | {r['attention_gbps']:.1f} "
                      f"| {r['attention_of_roofline']:.2f} | {r['workers_read_gbps']:.1f} "
-                     f"| {r['attention_of_workers_read']:.2f} | {r['decode_tok_s']:.1f} |")
+                     f"| {r['attention_of_workers_read']:.2f} | {r['decode_tok_s']:.1f} "
+                     f"| {_figure(r['middle_tile_us'], '.2f')} | {_figure(r['first_tile_in_middle_tiles'], '.2f')} |")
     return "\n".join(lines)
+
+
+def _figure(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 # ---------------------------------------------------------------------------------------- command line

@@ -104,7 +104,8 @@ def fake_rows():
     for w, t in [(1, 1), (1, 2), (2, 1)]:
         rows.append({"workers": w, "threads_per_worker": t, "total_threads": w * t, "attention_gbps": 10.0 * w * t,
                      "decode_tok_s": 100.0 + t, "roofline_read_gbps": 40.0, "attention_of_roofline": w * t / 4,
-                     "workers_read_gbps": 30.0, "attention_of_workers_read": w * t / 3})
+                     "workers_read_gbps": 30.0, "attention_of_workers_read": w * t / 3,
+                     "middle_tile_us": 2.5 * t if w == 1 else None, "first_tile_in_middle_tiles": 1.5})
     return rows
 
 
@@ -118,6 +119,21 @@ def test_writers(tmp_path):
     assert (tmp_path / "out" / "s.png").read_bytes()[:8] == PNG_MAGIC
     table = numa_scaling.markdown_table(rows).splitlines()
     assert len(table) == 2 + len(rows) and table[2].startswith("| 1 | 1 | 1 | 10.0 | 0.25 |")
+    assert table[2].endswith("| 2.50 | 1.50 |") and table[4].endswith("| - | 1.50 |")
+    assert read[2]["middle_tile_us"] == ""  # no middle tile: an empty cell, not a zero
+
+
+def test_tile_figures_sum_the_workers_phase_totals():
+    one = {"first_tile": (2, 6e-6), "gather": (4, 0.4e-6), "scores": (4, 4e-6), "softmax": (4, 0.8e-6),
+           "values": (4, 2.8e-6), "last_tile": (2, 4e-6)}
+    other = {"first_tile": (2, 10e-6), "gather": (4, 0.4e-6), "scores": (4, 4e-6), "softmax": (4, 0.8e-6),
+             "values": (4, 2.8e-6), "last_tile": (2, 4e-6)}
+    figures = numa_scaling.tile_figures([one, other])
+    assert figures["middle_tile_us"] == pytest.approx(2.0)  # 16 us over 8 middle tiles
+    assert figures["first_tile_in_middle_tiles"] == pytest.approx(2.0)  # 16 us over 4 first tiles, / 2
+    no_middle = {"first_tile": (3, 3e-6), "gather": (0, 0.0), "scores": (0, 0.0), "softmax": (0, 0.0),
+                 "values": (0, 0.0)}
+    assert numa_scaling.tile_figures([no_middle]) == {"middle_tile_us": None, "first_tile_in_middle_tiles": None}
 
 
 # ---------------------------------------------------------------------------------------- end to end
@@ -137,6 +153,7 @@ def test_quick_sweep_end_to_end(tmp_path):
             assert float(r[key]) > 0, (key, r)
         assert float(r["attention_of_roofline"]) == pytest.approx(
             float(r["attention_gbps"]) / float(r["roofline_read_gbps"]), rel=1e-2)
+        assert float(r["middle_tile_us"]) > 0 and float(r["first_tile_in_middle_tiles"]) > 0, r
     assert png_path.read_bytes()[:8] == PNG_MAGIC
     assert "| workers | threads/worker | total threads | attention GB/s |" in result.stdout
     assert "Machine read roofline" in result.stdout

@@ -1046,19 +1046,27 @@ struct ItemKernel {
     deferred_touch.item = nullptr;
   }
 
-  // The pages of the blocks holding tokens [from, to) of the item (the tile after the one the
-  // prefetcher asks for).
+  // The pages of tokens [from, to) of the item (the tile after the one the prefetcher asks for):
+  // in each block holding some of them, the bytes from the first one's row to the end of the last
+  // one's. Only those: a block of a whole sequence (partial_attention's one block of 16K tokens is
+  // 4 MB of K) touched whole for every tile took 25 us a 64-token tile where the tile's scores take
+  // 1.4 (Qwen3-MoE's shape on a 2-vCPU Xeon, one thread: 1.4 GB/s a call).
   void touch_blocks(const WorkItem& item, int64_t from, int64_t to, bool v_in_k) const {
     if (from >= to) return;
     const int32_t* table = a.block_table + item.seq * a.block_table_stride;
     const char* k_base = reinterpret_cast<const char*>(static_cast<const T*>(a.k) + item.kv_head * a.k_head_stride);
     const char* v_base = reinterpret_cast<const char*>(static_cast<const T*>(a.v) + item.kv_head * a.v_head_stride);
-    const int64_t k_bytes = ((a.block_size - 1) * a.k_token_stride + dim_qk) * static_cast<int64_t>(sizeof(T));
-    const int64_t v_bytes = ((a.block_size - 1) * a.v_token_stride + dim_v) * static_cast<int64_t>(sizeof(T));
+    constexpr int64_t kElement = static_cast<int64_t>(sizeof(T));
     for (int64_t block = from / a.block_size; block * a.block_size < to; ++block) {
+      const int64_t start = block * a.block_size;  // the block's first token
+      const int64_t first = from > start ? from - start : 0;
+      const int64_t last = to < start + a.block_size ? to - start : a.block_size;  // past the block's last one asked
       const int64_t physical = table[block];
-      touch_pages(k_base + physical * a.k_block_stride * static_cast<int64_t>(sizeof(T)), k_bytes);
-      if (!v_in_k) touch_pages(v_base + physical * a.v_block_stride * static_cast<int64_t>(sizeof(T)), v_bytes);
+      touch_pages(k_base + (physical * a.k_block_stride + first * a.k_token_stride) * kElement,
+                  ((last - 1 - first) * a.k_token_stride + dim_qk) * kElement);
+      if (!v_in_k)
+        touch_pages(v_base + (physical * a.v_block_stride + first * a.v_token_stride) * kElement,
+                    ((last - 1 - first) * a.v_token_stride + dim_v) * kElement);
     }
   }
 
