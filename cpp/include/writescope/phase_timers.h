@@ -60,8 +60,8 @@ inline void reset() {
   }
 }
 
-// One item's laps, summed locally and handed over once (flush), so two threads do not share a
-// counter's line tile by tile.
+// One item's laps (or one merge's), summed locally and handed over once (flush), so two threads
+// do not share a counter's line tile by tile.
 struct ItemLaps {
   bool on = enabled.load(std::memory_order_relaxed);
   uint64_t mark = on ? now_ticks() : 0;
@@ -77,11 +77,11 @@ struct ItemLaps {
     mark = t;
   }
   // A tile's laps by its place in the item: a first or last tile counts whole; a middle tile by part.
-  inline void part(Phase part, bool first, bool last) {
+  inline void part(Phase phase, bool first, bool last) {
     if (!on) return;
     if (first) return lap_uncounted(kFirstTile);
     if (last) return lap_uncounted(kLastTile);
-    lap(part);
+    lap(phase);
   }
   // Closes a tile: a first or last tile counts once, whole.
   inline void end_tile(bool first, bool last) {
