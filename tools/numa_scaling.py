@@ -210,17 +210,15 @@ def kv_bytes_of(shape_name: str, tokens: int) -> int:
 def tile_figures(worker_totals: list[dict]) -> dict:
     """The workers' phase totals summed: a middle tile's mean microseconds and an item's first tile
     against it (None where no item had a middle tile)."""
-    from writescope.tools.profile_cpu_phases import middle_tile_us
+    from writescope.tools import profile_cpu_phases
 
     summed: dict[str, tuple[int, float]] = {}
     for totals in worker_totals:
         for phase, (count, seconds) in totals.items():
             before = summed.get(phase, (0, 0.0))
             summed[phase] = (before[0] + count, before[1] + seconds)
-    middle_us = middle_tile_us(summed)
-    first_count, first_s = summed.get("first_tile", (0, 0.0))
-    first_ratio = first_s / first_count * 1e6 / middle_us if middle_us and first_count else None
-    return {"middle_tile_us": middle_us, "first_tile_in_middle_tiles": first_ratio}
+    figures = profile_cpu_phases.tile_figures(summed)
+    return {key: figures[key] for key in ("middle_tile_us", "first_tile_in_middle_tiles")}
 
 
 def measure_attention(actors: list, point: Point, *, shape: str, tokens_per_worker: int, warmup: int,
@@ -370,6 +368,8 @@ def plot(rows: list[dict], path: str, roofline: float, title: str) -> None:
 
 
 def markdown_table(rows: list[dict]) -> str:
+    from writescope.tools.profile_cpu_phases import format_figure
+
     lines = ["| workers | threads/worker | total threads | attention GB/s | of roofline | workers' read GB/s "
              "| of workers' read | decode tok/s | middle tile us | first tile / middle |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -377,12 +377,8 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(f"| {r['workers']} | {r['threads_per_worker']} | {r['total_threads']} | {r['attention_gbps']:.1f} "
                      f"| {r['attention_of_roofline']:.2f} | {r['workers_read_gbps']:.1f} "
                      f"| {r['attention_of_workers_read']:.2f} | {r['decode_tok_s']:.1f} "
-                     f"| {_figure(r['middle_tile_us'], '.2f')} | {_figure(r['first_tile_in_middle_tiles'], '.2f')} |")
+                     f"| {format_figure(r['middle_tile_us'])} | {format_figure(r['first_tile_in_middle_tiles'])} |")
     return "\n".join(lines)
-
-
-def _figure(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
 
 
 # ---------------------------------------------------------------------------------------- command line

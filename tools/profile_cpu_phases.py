@@ -57,12 +57,19 @@ def phase_rows(totals: dict, calls: int) -> list[dict]:
     return rows
 
 
-def middle_tile_us(totals: dict) -> float | None:
-    """A middle tile's mean time: its four parts' means summed (each part runs once a middle tile)."""
+def tile_figures(totals: dict) -> dict:
+    """totals {phase: (count, seconds)} -> a middle tile's mean microseconds (its four parts, each run
+    once a middle tile) and an item's first and last tiles against it; None where no item had a
+    middle tile (or no last tile)."""
     count = totals.get("scores", (0, 0.0))[0]
-    if count == 0:
-        return None
-    return sum(totals[part][1] for part in MIDDLE_PARTS) / count * 1e6
+    middle_us = sum(totals[part][1] for part in MIDDLE_PARTS) / count * 1e6 if count else None
+
+    def against_middle(phase: str) -> float | None:
+        tiles, seconds = totals.get(phase, (0, 0.0))
+        return seconds / tiles * 1e6 / middle_us if tiles and middle_us else None
+
+    return {"middle_tile_us": middle_us, "first_tile_in_middle_tiles": against_middle("first_tile"),
+            "last_tile_in_middle_tiles": against_middle("last_tile")}
 
 
 def profile(shape, seq_len: int, calls: int, cold_bytes: int, warmup: int) -> dict:
@@ -94,24 +101,17 @@ def profile(shape, seq_len: int, calls: int, cold_bytes: int, warmup: int) -> di
         _cpu.set_phase_timers(False)
     threads = _cpu.num_threads()
     summed_s = sum(seconds for _, seconds in totals.values())
-    middle_us = middle_tile_us(totals)
-
-    def against_middle(phase: str) -> float | None:
-        count, seconds = totals[phase]
-        return seconds / count * 1e6 / middle_us if count and middle_us else None
-
     return {
         "shape": shape.name, "seq_len": seq_len, "calls": calls, "threads": threads, "copies": num_copies,
         "kernel_ms_median": statistics.median(kernel_s) * 1e3,
         "covered": summed_s / (sum(kernel_s) * threads),
-        "middle_tile_us": middle_us,
-        "first_tile_in_middle_tiles": against_middle("first_tile"),
-        "last_tile_in_middle_tiles": against_middle("last_tile"),
+        **tile_figures(totals),
         "phases": phase_rows(totals, calls),
     }
 
 
-def _ratio(value: float | None) -> str:
+def format_figure(value: float | None) -> str:
+    """Two decimals, or "-" for a figure that could not be taken."""
     return "-" if value is None else f"{value:.2f}"
 
 
@@ -123,8 +123,9 @@ def table(results: list[dict], cpu: str, variant: str) -> str:
         lines.append(f"**{r['shape']} at {r['seq_len'] // 1024}K**: {r['calls']} calls over {r['copies']} copies, "
                      f"kernel {r['kernel_ms_median']:.3f} ms a call (median); the phases cover "
                      f"{r['covered']:.2f} of the threads' kernel time; a middle tile "
-                     f"{_ratio(r['middle_tile_us'])} us, the first {_ratio(r['first_tile_in_middle_tiles'])}x it, "
-                     f"the last {_ratio(r['last_tile_in_middle_tiles'])}x")
+                     f"{format_figure(r['middle_tile_us'])} us, the first "
+                     f"{format_figure(r['first_tile_in_middle_tiles'])}x it, "
+                     f"the last {format_figure(r['last_tile_in_middle_tiles'])}x")
         lines.append("")
         lines.append("| phase | per call | us each | share |")
         lines.append("|---|---|---|---|")
